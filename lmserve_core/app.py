@@ -1,0 +1,186 @@
+"""The Litestar application: routes, auth, error envelopes, lifespan."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from litestar import Litestar, MediaType, Request, Response, get
+from litestar.connection import ASGIConnection
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.types import ControllerRouterHandler
+
+from . import __version__
+from .errors import LmserveError, QueueFull, Unauthorized
+from .plugins import pm
+from .server import Server
+from .wire_errors import error_body
+
+log = structlog.get_logger("lmserve.http")
+
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+
+
+def _presented_key(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    auth = connection.headers.get("authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return connection.headers.get("x-api-key")
+
+
+def make_auth_guard(api_key: str | None) -> Any:
+    expected = api_key.encode() if api_key else None
+
+    def auth_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        if expected is None or handler.opt.get("public"):
+            return
+        presented = _presented_key(connection)
+        if presented is None or not hmac.compare_digest(presented.encode(), expected):
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer or x-api-key)")
+
+    return auth_guard
+
+
+def _error_response(request: Request[Any, Any, Any], status: int, message: str, **kw: Any) -> Response[Any]:
+    headers = {}
+    if status == 429:
+        headers["retry-after"] = str(kw.pop("retry_after", 1))
+    kw.pop("retry_after", None)
+    return Response(
+        content=error_body(request.url.path, status, message, **kw),
+        status_code=status,
+        media_type=MediaType.JSON,
+        headers=headers,
+    )
+
+
+def handle_lmserve_error(request: Request[Any, Any, Any], exc: LmserveError) -> Response[Any]:
+    extra: dict[str, Any] = {}
+    if isinstance(exc, QueueFull):
+        extra["retry_after"] = exc.retry_after
+    log.info("request_rejected", path=request.url.path, status=exc.status, error=exc.message)
+    return _error_response(
+        request, exc.status, exc.message, param=exc.param, code=exc.code,
+        kind=exc.kind if exc.status < 500 else None, **extra,
+    )
+
+
+def handle_validation_error(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
+    message = exc.detail or "invalid request body"
+    param = None
+    extra = exc.extra
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
+        first = extra[0]
+        detail = first.get("message")
+        key = first.get("key")
+        if key:
+            param = str(key)
+        if detail:
+            message = f"invalid request body: {detail}"
+    log.info("request_rejected", path=request.url.path, status=400, error=message)
+    return _error_response(request, 400, message, param=param, code="invalid_request")
+
+
+def handle_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    status = exc.status_code
+    message = exc.detail or "error"
+    if status == 413:
+        message = "request body too large"
+    return _error_response(request, status, message)
+
+
+def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    log.exception("unhandled_error", path=request.url.path)
+    return _error_response(request, 500, f"internal error: {type(exc).__name__}")
+
+
+@get(["/health", "/v1/health"], opt={"public": True}, include_in_schema=True, sync_to_thread=False)
+def health(server: Server) -> Response[dict[str, Any]]:
+    """Liveness and readiness: 200 while serving, 503 while shutting down."""
+    engine = server.engine
+    if not engine.accepting:
+        return Response({"status": "shutting_down"}, status_code=503)
+    return Response(
+        {"status": "ok", "model": server.model_id, "queued": engine.queued, "busy": engine.busy}
+    )
+
+
+@get(["/v1/models", "/models"], sync_to_thread=False)
+def list_models(server: Server) -> dict[str, Any]:
+    """The one loaded model, in a shape both OpenAI and Anthropic clients read."""
+    model = {
+        "id": server.model_id,
+        "object": "model",
+        "created": server.created,
+        "owned_by": "lmserve",
+        "type": "model",
+        "display_name": server.model_id,
+        "created_at": _rfc3339(server.created),
+        "meta": {"backend": server.backend.name, "n_ctx": server.ctx},
+    }
+    return {
+        "object": "list",
+        "data": [model],
+        "has_more": False,
+        "first_id": server.model_id,
+        "last_id": server.model_id,
+    }
+
+
+def _rfc3339(ts: int) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def dialect_routes() -> list[ControllerRouterHandler]:
+    from .dialects import anthropic, openai_chat, openai_completions, responses, tokenize
+
+    return [
+        *openai_chat.routes,
+        *openai_completions.routes,
+        *responses.routes,
+        *anthropic.routes,
+        *tokenize.routes,
+    ]
+
+
+def create_app(
+    server: Server,
+    *,
+    max_body: int = DEFAULT_MAX_BODY,
+    extra_routes: Sequence[ControllerRouterHandler] = (),
+) -> Litestar:
+    """Build the application serving ``server``'s engine."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        server.engine.start()
+        pm.hook.startup(backend=server.backend, settings=server.settings)
+        try:
+            yield
+        finally:
+            server.engine.begin_shutdown()
+            pm.hook.shutdown(backend=server.backend)
+
+    return Litestar(
+        route_handlers=[health, list_models, *dialect_routes(), *extra_routes],
+        dependencies={"server": Provide(lambda: server, use_cache=True, sync_to_thread=False)},
+        guards=[make_auth_guard(server.api_key)],
+        exception_handlers={
+            LmserveError: handle_lmserve_error,
+            ValidationException: handle_validation_error,
+            HTTPException: handle_http_error,
+            Exception: handle_unexpected,
+        },
+        lifespan=[lifespan],
+        request_max_body_size=max_body,
+        openapi_config=OpenAPIConfig(title="lmserve", version=__version__),
+        debug=False,
+    )

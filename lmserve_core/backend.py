@@ -1,0 +1,108 @@
+"""The Backend contract: what a model family provides to the server.
+
+A backend is an object with two methods that matter to the server:
+
+* ``validate(request)`` runs on the request's connection path before it is queued. It is
+  cheap: message shape, capabilities, prompt length. It raises an ``LmserveError``.
+* ``generate(request, sink)`` runs on the single inference worker thread. It emits
+  events into ``sink`` (text, reasoning, tool calls) and returns a ``Finish`` event.
+  It checks ``sink.cancelled`` between tokens and stops early when it turns true.
+
+Families that fit the generic GGUF chat path do not write these themselves: see
+``lmserve_core.gguf_chat``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .events import EventSink, Finish
+from .request import NormalizedRequest
+
+ToolStyle = Literal["none", "hermes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can honor; the dialects reject requests asking for more."""
+
+    grammar: bool = False  # constrained decoding (response_format, regex, lark, forced tools)
+    reasoning: bool = False  # a reasoning channel that can be switched on
+    tool_style: ToolStyle = "none"  # how tool declarations and calls are written
+    stop_strings: bool = True  # text stop sequences
+    system_role: bool = True  # accepts system messages
+    raw_completion: bool = True  # /v1/completions (raw prompt, no chat template)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """The family's recommended sampling, used where a request leaves a field out."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkMarkers:
+    open: str = "<think>"
+    close: str = "</think>"
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """The command-line settings a backend factory may need."""
+
+    ctx: int = 4096
+    threads: int = 0  # 0: all cores
+    kv_slots: int = 1
+    batch: int = 1
+    seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The object a backend factory returns."""
+
+    name: str  # backend name, e.g. "llama"
+    model_id: str  # what /v1/models reports
+    capabilities: Capabilities
+    context_length: int  # tokens of context this instance serves (<= --ctx)
+
+    def validate(self, request: NormalizedRequest) -> None:
+        """Raise an LmserveError if the request cannot be served; cheap, any thread."""
+
+    def generate(self, request: NormalizedRequest, sink: EventSink) -> Finish:
+        """Generate the reply on the worker thread, emitting events into ``sink``."""
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` (``/tokenize``)."""
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of ``ids`` (``/detokenize``)."""
+
+    def token_piece(self, token_id: int) -> bytes:
+        """The raw bytes of one token (``/tokenize`` with_pieces)."""
+
+    def close(self) -> None:
+        """Release the model; called once at shutdown."""
+
+
+BackendFactory = Callable[[str | None, ServerSettings], Backend]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """A backend as registered by a plugin."""
+
+    name: str
+    factory: BackendFactory
+    architectures: tuple[str, ...] = ()  # GGUF general.architecture values it serves
+    description: str = ""
+    default_model: Callable[[], str | None] | None = None  # model served when none is given
+    plugin: str = ""  # the plugin that registered it

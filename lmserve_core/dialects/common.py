@@ -1,0 +1,164 @@
+"""What every dialect controller shares: submission, collection, lazy streams, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from litestar import Request
+from litestar.response import Stream
+
+from ..engine import Engine, RequestStream
+from ..errors import InvalidRequest, LmserveError
+from ..events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent
+from ..request import DEFAULT_MAX_TOKENS, NormalizedRequest, ToolCall
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def bounded_max_tokens(value: int | None, field_name: str, ctx: int) -> int:
+    """The reply bound: default 1024, clamped to the context; must be positive."""
+    if value is None:
+        return min(DEFAULT_MAX_TOKENS, ctx)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"'{field_name}' must be a positive integer", param=field_name)
+    return min(value, ctx)
+
+
+def check_stop(stop: str | list[str] | None, field_name: str = "stop") -> list[str]:
+    """Normalize ``stop``: a string or up to four non-empty strings."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > 4:
+        raise InvalidRequest(f"'{field_name}' takes at most 4 sequences", param=field_name)
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InvalidRequest(f"'{field_name}' entries must be non-empty strings", param=field_name)
+    return items
+
+
+def reject(param: str, why: str = "is not supported", *, status: int = 400) -> LmserveError:
+    """The error for a field the server refuses (the message names the field)."""
+    err = InvalidRequest(f"'{param}' {why}", param=param, code="unsupported_parameter")
+    err.status = status
+    return err
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(slots=True)
+class Collected:
+    """A whole reply gathered from a stream (non-streaming requests)."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish: Finish = field(default_factory=lambda: Finish("error"))
+
+
+async def _watch_disconnect(request: Request[Any, Any, Any], stream: RequestStream) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            stream.cancel()
+            return
+
+
+async def collect(
+    engine: Engine, request: Request[Any, Any, Any], normalized: NormalizedRequest
+) -> Collected:
+    """Submit and gather the whole reply; a client hang-up cancels the job.
+
+    Raises the ``LmserveError`` of an ``ErrorEvent`` (it becomes the HTTP error).
+    """
+    stream = await engine.submit(normalized)
+    watcher = asyncio.create_task(_watch_disconnect(request, stream))
+    out = Collected()
+    text: list[str] = []
+    reasoning: list[str] = []
+    try:
+        async for event in stream:
+            if isinstance(event, TextDelta):
+                text.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                reasoning.append(event.text)
+            elif isinstance(event, ToolCallEvent):
+                out.tool_calls.append(event.call)
+            elif isinstance(event, ErrorEvent):
+                raise LmserveError(event.message, status=event.status)
+            elif isinstance(event, Finish):
+                out.finish = event
+    finally:
+        stream.cancel()  # a no-op once finished; stops the job if we left early
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    out.text = "".join(text)
+    out.reasoning = "".join(reasoning)
+    return out
+
+
+async def open_stream(
+    engine: Engine, normalized: NormalizedRequest
+) -> tuple[RequestStream, list[Event]]:
+    """Submit and wait for the first event, so errors before any output are plain HTTP
+    errors (streams start lazily). Returns the stream and the events read so far."""
+    stream = await engine.submit(normalized)
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        return stream, []
+    except BaseException:
+        stream.cancel()
+        raise
+    if isinstance(first, ErrorEvent):
+        stream.cancel()
+        raise LmserveError(first.message, status=first.status)
+    return stream, [first]
+
+
+async def replay(stream: RequestStream, head: list[Event]) -> AsyncIterator[Event]:
+    """The events of ``open_stream``: the ones already read, then the rest."""
+    for event in head:
+        yield event
+    async for event in stream:
+        yield event
+
+
+def sse_response(
+    stream: RequestStream, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+) -> Stream:
+    """A text/event-stream response; a dropped client cancels the generation."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for frame in frames:
+                yield frame
+        finally:
+            stream.cancel()
+            if on_close is not None:
+                on_close()
+
+    return Stream(content=body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def sse_data(payload: Any) -> bytes:
+    """A data-only SSE frame (chat completions)."""
+    return b"data: " + json_text(payload).encode() + b"\n\n"
+
+
+def sse_event(event: str, payload: Any) -> bytes:
+    """An ``event:`` + ``data:`` SSE frame (responses, messages)."""
+    return b"event: " + event.encode() + b"\ndata: " + json_text(payload).encode() + b"\n\n"

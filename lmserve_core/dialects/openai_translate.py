@@ -1,0 +1,459 @@
+"""OpenAI Chat Completions / Completions request bodies → ``NormalizedRequest``.
+
+Every refusal names the offending field (``param``), so the SDKs' ``BadRequestError``
+says what to change. Shared by ``openai_chat`` and ``openai_completions``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import structlog
+
+from ..backend import Capabilities
+from ..errors import InvalidRequest, Unsupported
+from ..request import (
+    Constraint,
+    Message,
+    NormalizedRequest,
+    Role,
+    Sampling,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+)
+from .common import bounded_max_tokens, check_stop, json_text, reject
+from .openai_chat_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    ToolChoiceObject,
+)
+
+log = structlog.get_logger("lmserve.http")
+
+_ROLES: dict[str, Role] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+_EFFORT_OFF = {"none", "minimal"}
+_EFFORT_ON = {"low", "medium", "high", "xhigh"}
+_UNSUPPORTED_PARTS = {
+    "image_url": "image content is not supported",
+    "input_image": "image content is not supported",
+    "input_audio": "audio content is not supported",
+    "file": "file content is not supported",
+}
+_INT64_MAX = 2**63 - 1
+
+
+# -- sampling and limits -------------------------------------------------------------------
+
+
+def _in_range(value: float | None, name: str, lo: float, hi: float) -> float | None:
+    if value is None:
+        return None
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise InvalidRequest(f"'{name}' must be between {lo:g} and {hi:g}", param=name)
+    return float(value)
+
+
+def sampling_from(body: SamplingFields) -> Sampling:
+    """Range-checked sampling fields (absent ones stay ``None``: the model's defaults)."""
+    top_k = body.top_k
+    if top_k is not None and top_k < 0:
+        raise InvalidRequest("'top_k' must be >= 0 (0 disables it)", param="top_k")
+    repeat_penalty = body.repeat_penalty
+    if repeat_penalty is not None and not (math.isfinite(repeat_penalty) and repeat_penalty >= 0):
+        raise InvalidRequest("'repeat_penalty' must be >= 0", param="repeat_penalty")
+    seed = body.seed
+    if seed is not None:
+        if seed > _INT64_MAX or seed < -_INT64_MAX - 1:
+            raise InvalidRequest("'seed' must fit in a signed 64-bit integer", param="seed")
+        if seed < 0:  # llama.cpp precedent: a negative seed asks for a random one
+            seed = None
+    return Sampling(
+        temperature=_in_range(body.temperature, "temperature", 0.0, 2.0),
+        top_p=_in_range(body.top_p, "top_p", 0.0, 1.0),
+        top_k=top_k,
+        min_p=_in_range(body.min_p, "min_p", 0.0, 1.0),
+        repeat_penalty=repeat_penalty,
+        presence_penalty=_in_range(body.presence_penalty, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_in_range(body.frequency_penalty, "frequency_penalty", -2.0, 2.0),
+        seed=seed,
+    )
+
+
+def check_common_rejections(body: SamplingFields) -> None:
+    """Fields both endpoints refuse rather than silently drop."""
+    if body.n is not None and body.n != 1:
+        raise reject("n", "must be 1: one choice per request is served")
+    if body.logit_bias:
+        raise reject("logit_bias")
+
+
+def stop_from(body: SamplingFields, caps: Capabilities) -> list[str]:
+    stop = check_stop(body.stop)
+    if stop and not caps.stop_strings:
+        raise Unsupported(
+            "'stop' is not supported by this model's backend", param="stop", code="unsupported_parameter"
+        )
+    return stop
+
+
+def constraint_from(body: SamplingFields, caps: Capabilities) -> Constraint | None:
+    """The one constraint source of a request: response_format, regex or lark."""
+    sources: list[tuple[str, Constraint]] = []
+    fmt = body.response_format
+    if fmt is not None:
+        if fmt.type == "json_schema":
+            spec = fmt.json_schema
+            if spec is None:
+                raise InvalidRequest(
+                    "'response_format.json_schema' is required for type json_schema",
+                    param="response_format.json_schema",
+                )
+            schema: Any = spec.schema if spec.schema is not None else {}
+            sources.append((
+                "response_format",
+                Constraint(
+                    "json_schema",
+                    json_text(schema),
+                    name=spec.name,
+                    strict=True if spec.strict is None else spec.strict,
+                ),
+            ))
+        elif fmt.type == "json_object":
+            sources.append(("response_format", Constraint("json_object", "")))
+        elif fmt.type != "text":
+            raise InvalidRequest(
+                f"'response_format.type' must be text, json_object or json_schema, not {fmt.type!r}",
+                param="response_format.type",
+            )
+    for name in ("regex", "lark"):
+        value = getattr(body, name)
+        if value is None:
+            continue
+        if not value:
+            raise InvalidRequest(f"'{name}' must be a non-empty string", param=name)
+        sources.append((name, Constraint(name, value)))  # type: ignore[arg-type]
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = ", ".join(name for name, _ in sources)
+        raise InvalidRequest(
+            f"'{sources[1][0]}': at most one constraint per request ({names} given)",
+            param=sources[1][0],
+        )
+    name, constraint = sources[0]
+    if not caps.grammar:
+        raise Unsupported(
+            f"'{name}' needs constrained decoding, which this server's backend lacks",
+            param=name,
+            code="unsupported_parameter",
+        )
+    return constraint
+
+
+# -- chat messages -----------------------------------------------------------------------
+
+
+def _content_text(msg: ChatMessage, i: int) -> str | None:
+    content = msg.content
+    if content is None or isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if part.type == "text":
+            texts.append(part.text or "")
+        elif part.type == "refusal" and msg.role == "assistant":
+            texts.append(part.refusal or "")
+        elif part.type in _UNSUPPORTED_PARTS:
+            raise reject(f"{where}.type", _UNSUPPORTED_PARTS[part.type])
+        else:
+            raise reject(f"{where}.type", f"{part.type!r} is not a supported content part type")
+    return "\n".join(texts)
+
+
+def _tool_calls_of(msg: ChatMessage, i: int) -> list[ToolCall]:
+    calls: list[ToolCall] = []
+    for k, call in enumerate(msg.tool_calls or []):
+        where = f"messages[{i}].tool_calls[{k}]"
+        if call.type != "function":
+            raise reject(f"{where}.type", f"{call.type!r} is not supported (only function)")
+        if call.function is None:
+            raise InvalidRequest(f"'{where}.function' is required", param=f"{where}.function")
+        args = call.function.arguments
+        calls.append(
+            ToolCall(
+                id=call.id,
+                name=call.function.name,
+                arguments=args if isinstance(args, str) else json_text(args),
+            )
+        )
+    return calls
+
+
+def messages_from(raw: list[ChatMessage], caps: Capabilities) -> list[Message]:
+    """Translate ``messages``; tool turns get the name of the call they answer."""
+    if not raw:
+        raise InvalidRequest("'messages' must not be empty", param="messages")
+    out: list[Message] = []
+    call_names: dict[str, str] = {}
+    for i, msg in enumerate(raw):
+        role = _ROLES.get(msg.role)
+        if role is None:
+            why = (
+                "the legacy function role is not supported; use tool messages"
+                if msg.role == "function"
+                else f"{msg.role!r} is not a valid role (system, developer, user, assistant, tool)"
+            )
+            raise InvalidRequest(f"'messages[{i}].role': {why}", param=f"messages[{i}].role")
+        if role == "system" and not caps.system_role:
+            raise InvalidRequest(
+                f"'messages[{i}].role': this model has no system role", param=f"messages[{i}].role"
+            )
+        if msg.function_call is not None:
+            raise reject(f"messages[{i}].function_call", "(legacy functions API) is not supported")
+        if msg.audio is not None:
+            raise reject(f"messages[{i}].audio")
+        text = _content_text(msg, i)
+        if text is None:
+            if role != "assistant":
+                raise InvalidRequest(
+                    f"'messages[{i}].content' is required for role {msg.role}",
+                    param=f"messages[{i}].content",
+                )
+            text = ""
+        message = Message(role=role, content=text)
+        if role == "assistant":
+            if msg.reasoning_content:
+                message.reasoning = msg.reasoning_content
+            message.tool_calls = _tool_calls_of(msg, i)
+            for call in message.tool_calls:
+                call_names[call.id] = call.name
+        elif msg.tool_calls:
+            raise InvalidRequest(
+                f"'messages[{i}].tool_calls' is only valid on assistant messages",
+                param=f"messages[{i}].tool_calls",
+            )
+        if role == "tool":
+            if not msg.tool_call_id:
+                raise InvalidRequest(
+                    f"'messages[{i}].tool_call_id' is required for tool messages",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            message.tool_call_id = msg.tool_call_id
+            message.name = call_names.get(msg.tool_call_id, msg.name)
+        out.append(message)
+    return out
+
+
+# -- tools -----------------------------------------------------------------------------
+
+
+def _tool_choice_from(value: str | ToolChoiceObject | None, tools: list[Tool]) -> ToolChoice:
+    if value is None:
+        return ToolChoice()
+    if isinstance(value, str):
+        try:
+            mode = ToolChoiceMode(value)
+        except ValueError:
+            mode = ToolChoiceMode.NAMED  # not a valid string
+        if mode is ToolChoiceMode.NAMED:
+            raise InvalidRequest(
+                f"'tool_choice' must be auto, none, required or a function object, not {value!r}",
+                param="tool_choice",
+            )
+        if mode is ToolChoiceMode.REQUIRED and not tools:
+            raise InvalidRequest("'tool_choice' is required but no tools were given", param="tool_choice")
+        return ToolChoice(mode)
+    if value.type != "function" or value.function is None:
+        raise reject("tool_choice", f"of type {value.type!r} is not supported (only function)")
+    name = value.function.name
+    if name not in {t.name for t in tools}:
+        raise InvalidRequest(
+            f"'tool_choice' names {name!r}, which is not among the declared tools",
+            param="tool_choice",
+        )
+    return ToolChoice(ToolChoiceMode.NAMED, name)
+
+
+def tools_from(body: ChatCompletionRequest) -> list[Tool]:
+    tools: list[Tool] = []
+    for i, decl in enumerate(body.tools or []):
+        if decl.type != "function":
+            raise reject(f"tools[{i}].type", f"{decl.type!r} is not supported (only function tools)")
+        fn = decl.function
+        if fn is None or not fn.name:
+            raise InvalidRequest(
+                f"'tools[{i}].function.name' is required", param=f"tools[{i}].function.name"
+            )
+        tools.append(
+            Tool(
+                name=fn.name,
+                description=fn.description or "",
+                parameters=fn.parameters or {"type": "object", "properties": {}},
+                strict=bool(fn.strict),
+            )
+        )
+    return tools
+
+
+def _apply_tool_caps(
+    tools: list[Tool], choice: ToolChoice, constraint: Constraint | None, caps: Capabilities
+) -> list[Tool]:
+    forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    if caps.tool_style == "none":
+        if forced:
+            raise InvalidRequest(
+                "'tool_choice': this model has no tool-calling convention, so a tool call "
+                "cannot be forced",
+                param="tool_choice",
+            )
+        if tools:
+            # Tool-sending agents stay usable: the model answers as plain chat.
+            log.warning("tools_dropped", reason="backend has no tool convention", count=len(tools))
+        return []
+    if forced:
+        if constraint is not None:
+            raise InvalidRequest(
+                "'tool_choice': a forced tool call cannot be combined with response_format, "
+                "regex or lark",
+                param="tool_choice",
+            )
+        if not caps.grammar:
+            raise Unsupported(
+                "'tool_choice': forcing a tool call needs constrained decoding, which this "
+                "server's backend lacks",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+    return tools
+
+
+# -- whole requests ----------------------------------------------------------------------
+
+
+def _reasoning_on(effort: str | None, caps: Capabilities) -> bool:
+    if effort is None or effort in _EFFORT_OFF:
+        return False
+    if effort not in _EFFORT_ON:
+        raise InvalidRequest(
+            f"'reasoning_effort' must be none, minimal, low, medium or high, not {effort!r}",
+            param="reasoning_effort",
+        )
+    if not caps.reasoning:
+        raise InvalidRequest(
+            f"'reasoning_effort' {effort!r}: this model has no reasoning mode "
+            "(use none or minimal)",
+            param="reasoning_effort",
+        )
+    return True
+
+
+def chat_request(
+    body: ChatCompletionRequest, caps: Capabilities, ctx: int, request_id: str
+) -> NormalizedRequest:
+    """Translate a chat body; raises ``InvalidRequest``/``Unsupported`` naming the field."""
+    check_common_rejections(body)
+    if body.functions:
+        raise reject("functions", "(legacy functions API) is not supported; use tools")
+    if body.function_call is not None:
+        raise reject("function_call", "(legacy functions API) is not supported; use tool_choice")
+    if body.logprobs:
+        raise reject("logprobs")
+    if body.top_logprobs:
+        raise reject("top_logprobs")
+    if body.modalities and any(m != "text" for m in body.modalities):
+        raise reject("modalities", "must be [\"text\"]: audio output is not supported")
+    if body.audio is not None:
+        raise reject("audio")
+    if body.web_search_options is not None:
+        raise reject("web_search_options", "(hosted web search) is not supported")
+    if body.moderation is not None:
+        raise reject("moderation")
+
+    messages = messages_from(body.messages, caps)
+    sampling = sampling_from(body)
+    if body.max_completion_tokens is not None:
+        max_tokens = bounded_max_tokens(body.max_completion_tokens, "max_completion_tokens", ctx)
+    else:
+        max_tokens = bounded_max_tokens(body.max_tokens, "max_tokens", ctx)
+    stop = stop_from(body, caps)
+    constraint = constraint_from(body, caps)
+    tools = tools_from(body)
+    choice = _tool_choice_from(body.tool_choice, tools)
+    tools = _apply_tool_caps(tools, choice, constraint, caps)
+    if not tools:
+        choice = ToolChoice()
+    reasoning = _reasoning_on(body.reasoning_effort, caps)
+    forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    stream = bool(body.stream)
+    return NormalizedRequest(
+        id=request_id,
+        dialect="chat",
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=stop,
+        constraint=constraint,
+        # A constraint governs the reply from its first token, so it leaves no room for a
+        # reasoning head.
+        reasoning=reasoning and constraint is None and not forced,
+        stream=stream,
+        include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
+        template_kwargs=dict(body.chat_template_kwargs or {}),
+        model=body.model,
+    )
+
+
+def completion_request(
+    body: CompletionRequest, caps: Capabilities, ctx: int, request_id: str
+) -> NormalizedRequest:
+    """Translate a legacy completions body (raw prompt, no chat template)."""
+    if not caps.raw_completion:
+        raise Unsupported(
+            "this model's backend does not serve raw text completions; use /v1/chat/completions",
+            param="prompt",
+        )
+    check_common_rejections(body)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise InvalidRequest(
+                "'prompt' must be a string or a list holding exactly one string "
+                "(token-id prompts and batches are not supported)",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if body.echo:
+        raise reject("echo", "must be false")
+    if body.suffix is not None:
+        raise reject("suffix", "(insertion) is not supported")
+    if body.best_of is not None and body.best_of != 1:
+        raise reject("best_of", "must be 1")
+    if body.logprobs is not None:
+        raise reject("logprobs")
+    stream = bool(body.stream)
+    return NormalizedRequest(
+        id=request_id,
+        dialect="completions",
+        prompt=prompt,
+        sampling=sampling_from(body),
+        max_tokens=bounded_max_tokens(body.max_tokens, "max_tokens", ctx),
+        stop=stop_from(body, caps),
+        constraint=constraint_from(body, caps),
+        stream=stream,
+        include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
+        model=body.model,
+    )

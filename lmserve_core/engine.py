@@ -1,0 +1,242 @@
+"""The bounded queue, the one inference worker, and the per-request stream pipe.
+
+Requests are accepted concurrently on the asyncio side and generated one at a time on a
+single worker thread that owns the backend. The worker never touches a socket: each
+request gets a ``RequestStream`` whose events are handed to the event loop with
+``call_soon_threadsafe``, so a client that stops reading only grows its own buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from .backend import Backend
+from .errors import LmserveError, QueueFull, ShuttingDown
+from .events import ErrorEvent, Event, Finish, TextDelta, ToolCallEvent, ReasoningDelta, Usage
+from .plugins import pm
+from .request import NormalizedRequest
+
+log = structlog.get_logger("lmserve.requests")
+
+_SENTINEL = object()
+
+
+@dataclass(slots=True)
+class _Timing:
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class RequestStream:
+    """The asyncio side of one request: an async iterator over its events.
+
+    The worker thread writes with ``emit`` (thread-safe, never blocks); the event loop
+    reads with ``async for``. ``cancel()`` marks the request cancelled: a queued job is
+    skipped, a running one stops at its next token.
+    """
+
+    def __init__(self, request: NormalizedRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self._loop = loop
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._closed = False
+        self.timing = _Timing()
+        self.finish: Finish | None = None
+
+    # -- worker side (EventSink) -------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def emit(self, event: Event) -> None:
+        if self.timing.first_token is None and isinstance(
+            event, TextDelta | ReasoningDelta | ToolCallEvent
+        ):
+            self.timing.first_token = time.perf_counter()
+        self._put(event)
+
+    def _put(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self._cancelled.set()
+
+    def _close(self) -> None:
+        self._put(_SENTINEL)
+
+    # -- asyncio side -------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _SENTINEL:
+            self._closed = True
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class _Job:
+    stream: RequestStream
+
+
+class Engine:
+    """Owns the backend, the bounded queue and the inference worker thread."""
+
+    def __init__(self, backend: Backend, *, queue_size: int = 16) -> None:
+        self.backend = backend
+        self.queue_size = queue_size
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._current: _Job | None = None
+        self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
+        self._ids = itertools.count(1)
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._worker.start()
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting and cancel everything queued or running."""
+        with self._cond:
+            self._accepting = False
+            for job in self._jobs:
+                job.stream.cancel()
+            if self._current is not None:
+                self._current.stream.cancel()
+            self._cond.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down and wait for the worker to finish its current job."""
+        self.begin_shutdown()
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._started:
+            self._worker.join(timeout)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def queued(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    # -- submission ---------------------------------------------------------------------
+
+    async def submit(self, request: NormalizedRequest) -> RequestStream:
+        """Validate and enqueue; raises QueueFull, ShuttingDown or the backend's error."""
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down")
+        pm.hook.prepare_request(request=request, backend=self.backend)
+        self.backend.validate(request)
+        stream = RequestStream(request, asyncio.get_running_loop())
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._jobs) >= self.queue_size:
+                raise QueueFull(
+                    f"the request queue is full ({self.queue_size} waiting); retry later",
+                    retry_after=max(1, len(self._jobs)),
+                )
+            self._jobs.append(_Job(stream))
+            self._cond.notify()
+        return stream
+
+    # -- the worker ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stopping:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._current = job
+            try:
+                self._generate(job.stream)
+            finally:
+                with self._cond:
+                    self._current = None
+
+    def _generate(self, stream: RequestStream) -> None:
+        request = stream.request
+        if stream.cancelled:
+            stream.finish = Finish("cancelled")
+            if not self._accepting:
+                stream.emit(ErrorEvent("the server is shutting down", 503, "overloaded_error"))
+            stream._close()
+            self._log(stream, 499)
+            return
+        stream.timing.started = time.perf_counter()
+        try:
+            finish = self.backend.generate(request, stream)
+        except LmserveError as exc:
+            stream.emit(ErrorEvent(exc.message, exc.status, exc.kind))
+            finish = Finish("error")
+        except Exception as exc:  # never let one request take the worker down
+            log.exception("generate_failed", id=request.id)
+            stream.emit(ErrorEvent(f"generation failed: {exc}", 500, "server_error"))
+            finish = Finish("error")
+        if finish.reason == "cancelled" and not self._accepting:
+            stream.emit(ErrorEvent("the server is shutting down", 503, "overloaded_error"))
+        stream.finish = finish
+        stream.timing.finished = time.perf_counter()
+        stream.emit(finish)
+        stream._close()
+        status = {"error": 500, "cancelled": 499}.get(finish.reason, 200)
+        self._log(stream, status)
+
+    def _log(self, stream: RequestStream, status: int) -> None:
+        t = stream.timing
+        finish = stream.finish or Finish("error")
+        usage = finish.usage or Usage()
+        ttft = (t.first_token - t.submitted) if t.first_token else None
+        gen_time = (t.finished - t.first_token) if (t.finished and t.first_token) else None
+        tps = (
+            (usage.completion_tokens - 1) / gen_time
+            if gen_time and usage.completion_tokens > 1
+            else None
+        )
+        log.info(
+            "request",
+            id=stream.request.id,
+            dialect=stream.request.dialect,
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+            ttft_s=round(ttft, 4) if ttft is not None else None,
+            tok_per_s=round(tps, 2) if tps is not None else None,
+            finish_reason=finish.reason,
+        )

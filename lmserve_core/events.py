@@ -1,0 +1,75 @@
+"""Events a backend emits while generating, and the sink it emits them into."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from .request import ToolCall
+
+FinishReason = Literal["stop", "length", "tool_calls", "stop_sequence", "cancelled", "error"]
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """Reply text; always whole UTF-8 code points."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class ReasoningDelta:
+    """Reasoning text routed out of the reply (a ``<think>`` head)."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCallEvent:
+    """A completed function call found in the reply."""
+
+    call: ToolCall
+
+
+@dataclass(slots=True)
+class Finish:
+    """The last event of a successful generation."""
+
+    reason: FinishReason
+    usage: Usage = field(default_factory=Usage)
+    stop_sequence: str | None = None  # the stop string that fired, if any
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    """Generation failed; ``status`` is the HTTP status it would have had."""
+
+    message: str
+    status: int = 500
+    kind: str = "server_error"
+
+
+Event = TextDelta | ReasoningDelta | ToolCallEvent | Finish | ErrorEvent
+
+
+class EventSink(Protocol):
+    """Where a backend's ``generate`` sends its events (thread-safe, never blocks)."""
+
+    def emit(self, event: Event) -> None:
+        """Hand one event to the request's stream; never blocks on the client."""
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the client went away or the server is shutting down."""

@@ -1,0 +1,43 @@
+"""Every hook a plugin can implement, grouped by when the server calls it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .backend import Backend, ServerSettings
+    from .request import NormalizedRequest
+
+hookspec = pluggy.HookspecMarker("lmserve")
+hookimpl = pluggy.HookimplMarker("lmserve")
+
+
+# ---------------------------------------------------------------- discovery
+
+
+@hookspec
+def register_backends(register: Any) -> None:
+    """Register backends: call ``register(name, factory, architectures=..., ...)``."""
+
+
+# ---------------------------------------------------------------- startup / shutdown
+
+
+@hookspec
+def startup(backend: Backend, settings: ServerSettings) -> None:
+    """Called once the backend is loaded, before the server accepts requests."""
+
+
+@hookspec
+def shutdown(backend: Backend) -> None:
+    """Called once after the last request drained, before the backend is closed."""
+
+
+# ---------------------------------------------------------------- per request
+
+
+@hookspec
+def prepare_request(request: NormalizedRequest, backend: Backend) -> None:
+    """Adjust a translated request in place before it is validated and queued."""

@@ -1,0 +1,134 @@
+/*
+ * Runtime ISA selection and the row-level entry points (dequantize, dot, get_rows).
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "lm_internal.h"
+
+static lm_kernels g_tables[3];
+static int g_best = LM_ISA_PORTABLE;
+static _Atomic int g_active = LM_ISA_PORTABLE;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static int detect_best(void) {
+#if LM_HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma")) {
+        return LM_ISA_AVX512;
+    }
+    /* F16C has no __builtin_cpu_supports name on older compilers; every AVX2 CPU has it. */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        return LM_ISA_AVX2;
+    }
+#endif
+    return LM_ISA_PORTABLE;
+}
+
+static void init_tables(void) {
+    lm_kernels_portable(&g_tables[LM_ISA_PORTABLE]);
+    g_tables[LM_ISA_AVX2] = g_tables[LM_ISA_PORTABLE];
+    g_tables[LM_ISA_AVX512] = g_tables[LM_ISA_PORTABLE];
+    g_best = detect_best();
+#if LM_HAVE_X86
+    if (g_best >= LM_ISA_AVX2) {
+        lm_kernels_avx2(&g_tables[LM_ISA_AVX2]);
+    }
+    if (g_best >= LM_ISA_AVX512) {
+        lm_kernels_avx512(&g_tables[LM_ISA_AVX512]);
+    }
+#endif
+    atomic_store(&g_active, g_best);
+}
+
+static void ensure_init(void) {
+    pthread_once(&g_once, init_tables);
+}
+
+int lm_isa_best(void) {
+    ensure_init();
+    return g_best;
+}
+
+int lm_isa_active(void) {
+    ensure_init();
+    return atomic_load_explicit(&g_active, memory_order_relaxed);
+}
+
+int lm_isa_select(int isa) {
+    ensure_init();
+    if (isa < LM_ISA_PORTABLE || isa > LM_ISA_AVX512) {
+        return LM_EINVAL;
+    }
+    if (isa > g_best) {
+        return LM_EISA;
+    }
+    atomic_store(&g_active, isa);
+    return LM_OK;
+}
+
+const lm_kernels *lm_kernels_active(void) {
+    ensure_init();
+    return &g_tables[atomic_load_explicit(&g_active, memory_order_relaxed)];
+}
+
+/* ------------------------------------------------------------------ rows */
+static int check_row(int type, const void *p, int64_t n) {
+    if (lm_type_block_elems(type) <= 0) {
+        return LM_ETYPE;
+    }
+    if (p == NULL || lm_row_bytes(type, n) < 0) {
+        return LM_EINVAL;
+    }
+    return LM_OK;
+}
+
+int lm_dequantize_row(int type, const void *src, float *dst, int64_t n) {
+    int rc = check_row(type, src, n);
+    if (rc != LM_OK) {
+        return rc;
+    }
+    if (dst == NULL) {
+        return LM_EINVAL;
+    }
+    if (n > 0) {
+        lm_kernels_active()->dequant[type](src, dst, n);
+    }
+    return LM_OK;
+}
+
+int lm_vec_dot(int type, const void *row, const float *x, int64_t n, float *out) {
+    int rc = check_row(type, row, n);
+    if (rc != LM_OK) {
+        return rc;
+    }
+    if (x == NULL || out == NULL) {
+        return LM_EINVAL;
+    }
+    *out = n > 0 ? lm_kernels_active()->dot[type](row, x, n) : 0.0f;
+    return LM_OK;
+}
+
+int lm_get_rows(int type, const void *table, int64_t n_rows, int64_t cols, const int32_t *ids,
+                int64_t n_ids, float *out) {
+    int rc = check_row(type, table, cols);
+    if (rc != LM_OK) {
+        return rc;
+    }
+    if (n_rows < 0 || n_ids < 0 || (n_ids > 0 && (ids == NULL || out == NULL))) {
+        return LM_EINVAL;
+    }
+    for (int64_t i = 0; i < n_ids; i++) {
+        if (ids[i] < 0 || ids[i] >= n_rows) {
+            return LM_EINVAL;
+        }
+    }
+    const lm_kernels *k = lm_kernels_active();
+    const int64_t rb = lm_row_bytes(type, cols);
+    for (int64_t i = 0; i < n_ids && cols > 0; i++) {
+        k->dequant[type]((const uint8_t *)table + ids[i] * rb, out + i * cols, cols);
+    }
+    return LM_OK;
+}

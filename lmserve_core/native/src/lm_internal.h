@@ -1,0 +1,183 @@
+/*
+ * Private declarations shared by the kernel sources: GGML block layouts, half-precision
+ * conversion, the per-ISA kernel table and the pool's internal entry points.
+ */
+#ifndef LMSERVE_INTERNAL_H
+#define LMSERVE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "lmserve/kernels.h"
+
+#if defined(__x86_64__) && !defined(LM_NO_SIMD)
+#define LM_HAVE_X86 1
+#else
+#define LM_HAVE_X86 0
+#endif
+
+#define LM_NTYPES 31 /* type ids are < 31 */
+#define QK 32        /* elements of a legacy block */
+#define QKK 256      /* elements of a K-quant super-block */
+
+/* ------------------------------------------------------------------ block layouts (GGML) */
+typedef uint16_t lm_half;
+
+typedef struct {
+    lm_half d;
+    uint8_t qs[QK / 2];
+} block_q4_0; /* 18 bytes */
+
+typedef struct {
+    lm_half d;
+    lm_half m;
+    uint8_t qs[QK / 2];
+} block_q4_1; /* 20 bytes */
+
+typedef struct {
+    lm_half d;
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];
+} block_q5_0; /* 22 bytes */
+
+typedef struct {
+    lm_half d;
+    lm_half m;
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];
+} block_q5_1; /* 24 bytes */
+
+typedef struct {
+    lm_half d;
+    int8_t qs[QK];
+} block_q8_0; /* 34 bytes */
+
+typedef struct {
+    lm_half d;
+    lm_half dmin;
+    uint8_t scales[12]; /* 8 x (6-bit scale, 6-bit min), packed */
+    uint8_t qs[QKK / 2];
+} block_q4_K; /* 144 bytes */
+
+typedef struct {
+    lm_half d;
+    lm_half dmin;
+    uint8_t scales[12];
+    uint8_t qh[QKK / 8];
+    uint8_t qs[QKK / 2];
+} block_q5_K; /* 176 bytes */
+
+typedef struct {
+    uint8_t ql[QKK / 2];
+    uint8_t qh[QKK / 4];
+    int8_t scales[QKK / 16];
+    lm_half d;
+} block_q6_K; /* 210 bytes */
+
+_Static_assert(sizeof(block_q4_0) == 18, "q4_0");
+_Static_assert(sizeof(block_q4_1) == 20, "q4_1");
+_Static_assert(sizeof(block_q5_0) == 22, "q5_0");
+_Static_assert(sizeof(block_q5_1) == 24, "q5_1");
+_Static_assert(sizeof(block_q8_0) == 34, "q8_0");
+_Static_assert(sizeof(block_q4_K) == 144, "q4_K");
+_Static_assert(sizeof(block_q5_K) == 176, "q5_K");
+_Static_assert(sizeof(block_q6_K) == 210, "q6_K");
+
+/* ------------------------------------------------------------------ scalar conversions */
+static inline float lm_fp32_from_bits(uint32_t w) {
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline uint32_t lm_fp32_to_bits(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    return w;
+}
+
+/* Exact IEEE half -> single, including subnormals, inf and NaN. */
+static inline float lm_half_to_float(lm_half h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* subnormal: value = man * 2^-24, exact in single precision */
+        float f = (float)man * 5.9604644775390625e-08f;
+        bits = sign | lm_fp32_to_bits(f);
+    }
+    return lm_fp32_from_bits(bits);
+}
+
+static inline float lm_bf16_to_float(uint16_t h) {
+    return lm_fp32_from_bits((uint32_t)h << 16);
+}
+
+/* Unaligned little-endian loads (blocks are packed, 2-byte aligned at best). */
+static inline lm_half lm_load_half(const void *p) {
+    lm_half h;
+    memcpy(&h, p, sizeof h);
+    return h;
+}
+
+/* 6-bit scale and min j (0..7) of a Q4_K/Q5_K super-block. */
+static inline void lm_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* ------------------------------------------------------------------ per-ISA kernel table */
+/* dst[0..n) = decoded src; n is a multiple of the type's block. */
+typedef void (*lm_dequant_fn)(const void *src, float *dst, int64_t n);
+/* dot(row, x) over n elements; n is a multiple of the type's block. */
+typedef float (*lm_dot_fn)(const void *row, const float *x, int64_t n);
+/* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */
+typedef void (*lm_gemm_fn)(const float *a, const float *b, int64_t k, float *c);
+
+typedef struct {
+    lm_dequant_fn dequant[LM_NTYPES];
+    lm_dot_fn dot[LM_NTYPES];
+    lm_gemm_fn gemm;
+    int mr; /* weight rows per GEMM tile */
+    int nr; /* tokens per GEMM tile */
+    float (*dot_f32)(const float *a, const float *b, int64_t n);
+    void (*axpy_f32)(float *y, float a, const float *x, int64_t n); /* y += a * x */
+    void (*scale_f32)(float *y, float a, int64_t n);                /* y *= a */
+} lm_kernels;
+
+void lm_kernels_portable(lm_kernels *k);
+#if LM_HAVE_X86
+void lm_kernels_avx2(lm_kernels *k);
+void lm_kernels_avx512(lm_kernels *k);
+#endif
+
+/* The table of the active ISA; never NULL. */
+const lm_kernels *lm_kernels_active(void);
+
+/* ------------------------------------------------------------------ pool internals */
+/* Try to take exclusive use of the pool (its workers and scratch). 1 on success. */
+int lm_pool_acquire(lm_pool *pool);
+void lm_pool_release(lm_pool *pool);
+/* Run on an acquired pool. */
+void lm_pool_run_acquired(lm_pool *pool, lm_task_fn fn, void *ctx);
+/* Scratch memory owned by an acquired pool, 64-byte aligned, valid until release. */
+void *lm_pool_scratch(lm_pool *pool, size_t bytes);
+
+/* 64-byte aligned allocation for callers without a pool. */
+void *lm_aligned_alloc(size_t bytes);
+void lm_aligned_free(void *p);
+
+#endif /* LMSERVE_INTERNAL_H */

@@ -1,0 +1,189 @@
+/*
+ * lm_matmul: y (ntok x rows) = x (ntok x cols) . W^T, W quantized row-major.
+ *
+ * Few tokens (decode): memory-bound, so each weight row is streamed once through the fused
+ * decode+dot kernel for every token; rows are split across threads.
+ * Many tokens (prefill): compute-bound. The tokens are packed once into k-major panels of
+ * `nr` tokens; each thread then decodes `mr` weight rows at a time into a small k-major
+ * panel (never the whole matrix) and runs an mr x nr register-tiled f32 micro-kernel over
+ * every token panel, so each decoded weight is reused ntok times.
+ */
+#include <stdlib.h>
+
+#include "lm_internal.h"
+
+/* Below this many tokens the fused per-row dot product wins over decode + GEMM. */
+#define GEMM_MIN_TOKENS 4
+
+typedef struct {
+    const lm_kernels *k;
+    int type;
+    const uint8_t *w;
+    int64_t rows, cols, ntok, row_bytes;
+    const float *x;
+    float *y;
+    /* GEMM path */
+    float *xpack;      /* ceil(ntok / nr) panels of cols x nr */
+    uint8_t *scratch;  /* per-thread: mr x cols panel + one decoded row */
+    size_t per_thread; /* bytes of scratch per thread */
+} mm_ctx;
+
+static inline void split(int64_t n, int ith, int nth, int64_t *lo, int64_t *hi) {
+    *lo = n * ith / nth;
+    *hi = n * (ith + 1) / nth;
+}
+
+/* ------------------------------------------------------------------ decode path */
+static void mm_dot_task(void *arg, int ith, int nth) {
+    const mm_ctx *c = arg;
+    lm_dot_fn dot = c->k->dot[c->type];
+    int64_t r0, r1;
+    split(c->rows, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = c->w + r * c->row_bytes;
+        for (int64_t t = 0; t < c->ntok; t++) {
+            c->y[t * c->rows + r] = dot(row, c->x + t * c->cols, c->cols);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ GEMM path */
+static void mm_pack_x_task(void *arg, int ith, int nth) {
+    const mm_ctx *c = arg;
+    const int nr = c->k->nr;
+    const int64_t K = c->cols;
+    const int64_t npanels = (c->ntok + nr - 1) / nr;
+    int64_t p0, p1;
+    split(npanels, ith, nth, &p0, &p1);
+    for (int64_t p = p0; p < p1; p++) {
+        float *dst = c->xpack + p * K * nr;
+        for (int t = 0; t < nr; t++) {
+            int64_t tok = p * nr + t;
+            if (tok < c->ntok) {
+                const float *src = c->x + tok * K;
+                for (int64_t k = 0; k < K; k++) {
+                    dst[k * nr + t] = src[k];
+                }
+            } else {
+                for (int64_t k = 0; k < K; k++) {
+                    dst[k * nr + t] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+static void mm_gemm_task(void *arg, int ith, int nth) {
+    const mm_ctx *c = arg;
+    const lm_kernels *k = c->k;
+    const int mr = k->mr, nr = k->nr;
+    const int64_t K = c->cols;
+    float *apanel = (float *)(c->scratch + (size_t)ith * c->per_thread);
+    float *rowbuf = apanel + (size_t)mr * K;
+    float *cbuf = rowbuf + K; /* nr x mr tile */
+    const int64_t nrp = (c->rows + mr - 1) / mr;
+    const int64_t ntp = (c->ntok + nr - 1) / nr;
+    int64_t p0, p1;
+    split(nrp, ith, nth, &p0, &p1);
+    for (int64_t rp = p0; rp < p1; rp++) {
+        const int64_t r0 = rp * mr;
+        const int nrows = (int)(c->rows - r0 < mr ? c->rows - r0 : mr);
+        for (int i = 0; i < mr; i++) {
+            if (i < nrows) {
+                k->dequant[c->type](c->w + (r0 + i) * c->row_bytes, rowbuf, K);
+                for (int64_t kk = 0; kk < K; kk++) {
+                    apanel[kk * mr + i] = rowbuf[kk];
+                }
+            } else {
+                for (int64_t kk = 0; kk < K; kk++) {
+                    apanel[kk * mr + i] = 0.0f;
+                }
+            }
+        }
+        for (int64_t tp = 0; tp < ntp; tp++) {
+            k->gemm(apanel, c->xpack + tp * K * nr, K, cbuf);
+            const int64_t t0 = tp * nr;
+            const int ntk = (int)(c->ntok - t0 < nr ? c->ntok - t0 : nr);
+            for (int t = 0; t < ntk; t++) {
+                memcpy(c->y + (t0 + t) * c->rows + r0, cbuf + t * mr,
+                       (size_t)nrows * sizeof(float));
+            }
+        }
+    }
+}
+
+static size_t align64(size_t n) {
+    return (n + 63) & ~(size_t)63;
+}
+
+int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols,
+              const float *x, int64_t ntok, float *y) {
+    if (lm_type_block_elems(type) <= 0) {
+        return LM_ETYPE;
+    }
+    const int64_t rb = lm_row_bytes(type, cols);
+    if (rb < 0 || rows < 0 || ntok < 0) {
+        return LM_EINVAL;
+    }
+    if (rows == 0 || ntok == 0) {
+        return LM_OK;
+    }
+    if (w == NULL || x == NULL || y == NULL) {
+        return LM_EINVAL;
+    }
+    if (cols == 0) {
+        memset(y, 0, (size_t)(rows * ntok) * sizeof(float));
+        return LM_OK;
+    }
+    mm_ctx c = {
+        .k = lm_kernels_active(),
+        .type = type,
+        .w = w,
+        .rows = rows,
+        .cols = cols,
+        .ntok = ntok,
+        .row_bytes = rb,
+        .x = x,
+        .y = y,
+    };
+    const int acquired = lm_pool_acquire(pool);
+    const int nth = acquired ? lm_pool_size(pool) : 1;
+
+    if (ntok < GEMM_MIN_TOKENS) {
+        if (acquired) {
+            lm_pool_run_acquired(pool, mm_dot_task, &c);
+            lm_pool_release(pool);
+        } else {
+            mm_dot_task(&c, 0, 1);
+        }
+        return LM_OK;
+    }
+
+    const int mr = c.k->mr, nr = c.k->nr;
+    const size_t xbytes = align64((size_t)((ntok + nr - 1) / nr) * (size_t)nr *
+                                  (size_t)cols * sizeof(float));
+    c.per_thread = align64(((size_t)mr * (size_t)cols + (size_t)cols + (size_t)mr * nr) *
+                           sizeof(float));
+    const size_t total = xbytes + c.per_thread * (size_t)nth;
+    uint8_t *mem = acquired ? lm_pool_scratch(pool, total) : lm_aligned_alloc(total);
+    if (mem == NULL) {
+        if (acquired) {
+            lm_pool_release(pool);
+        }
+        return LM_ENOMEM;
+    }
+    c.xpack = (float *)mem;
+    c.scratch = mem + xbytes;
+    if (acquired) {
+        lm_pool_run_acquired(pool, mm_pack_x_task, &c);
+        lm_pool_run_acquired(pool, mm_gemm_task, &c);
+        lm_pool_release(pool);
+    } else {
+        mm_pack_x_task(&c, 0, 1);
+        mm_gemm_task(&c, 0, 1);
+        lm_aligned_free(mem);
+    }
+    return LM_OK;
+}
+
+#undef GEMM_MIN_TOKENS

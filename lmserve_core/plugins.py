@@ -1,0 +1,137 @@
+"""Plugin loading and the backend registry.
+
+Plugins are found through the ``lmserve`` entry-point group. ``LMSERVE_PLUGINS`` (a
+comma-separated list of entry-point names) restricts which ones load;
+``LMSERVE_TRACE_HOOKS=1`` logs every hook call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+import pluggy
+import structlog
+
+from . import hookspecs
+from .backend import BackendFactory, BackendSpec
+
+log = structlog.get_logger("lmserve.plugins")
+
+ENTRY_POINT_GROUP = "lmserve"
+
+pm = pluggy.PluginManager("lmserve")
+pm.add_hookspecs(hookspecs)
+
+_lock = threading.Lock()
+_loaded = False
+
+
+@dataclass(frozen=True, slots=True)
+class PluginInfo:
+    name: str
+    version: str | None
+    hooks: tuple[str, ...]
+
+
+def load_plugins() -> None:
+    """Load every installed plugin once; later calls do nothing."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True
+        allowed = _allowed_names()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            if pm.has_plugin(ep.name):
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken plugin must not take the server down
+                log.warning("plugin_load_failed", plugin=ep.name, error=str(exc))
+                continue
+            pm.register(module, name=ep.name)
+            _versions[ep.name] = ep.dist.version if ep.dist else None
+        if os.environ.get("LMSERVE_TRACE_HOOKS"):
+            pm.trace.root.setwriter(lambda msg: log.info("hook", trace=msg.rstrip()))
+            pm.enable_tracing()
+
+
+_versions: dict[str, str | None] = {}
+
+
+def _allowed_names() -> set[str] | None:
+    raw = os.environ.get("LMSERVE_PLUGINS")
+    if raw is None:
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def load_module_plugin(dotted: str) -> ModuleType:
+    """Register a module by import path as a plugin (``lmserve --plugin mod``)."""
+    module = importlib.import_module(dotted)
+    if not pm.is_registered(module):
+        pm.register(module, name=dotted)
+    return module
+
+
+def list_plugins() -> list[PluginInfo]:
+    """What is registered: name, version and implemented hooks."""
+    infos = []
+    for name, plugin in pm.list_name_plugin():
+        hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
+        infos.append(PluginInfo(name=name, version=_versions.get(name), hooks=hooks))
+    return sorted(infos, key=lambda info: info.name)
+
+
+def backends() -> dict[str, BackendSpec]:
+    """Every backend registered through ``register_backends``, by name."""
+    load_plugins()
+    found: dict[str, BackendSpec] = {}
+
+    def make_register(plugin_name: str) -> Callable[..., None]:
+        def register(
+            name: str,
+            factory: BackendFactory,
+            *,
+            architectures: tuple[str, ...] | list[str] = (),
+            description: str = "",
+            default_model: Callable[[], str | None] | None = None,
+        ) -> None:
+            if name in found:
+                log.warning("backend_name_taken", backend=name, plugin=plugin_name)
+                return
+            found[name] = BackendSpec(
+                name=name,
+                factory=factory,
+                architectures=tuple(architectures),
+                description=description,
+                default_model=default_model,
+                plugin=plugin_name,
+            )
+
+        return register
+
+    for impl in pm.hook.register_backends.get_hookimpls():
+        impl.function(register=make_register(impl.plugin_name))
+    return found
+
+
+def backend_for_architecture(architecture: str) -> BackendSpec | None:
+    """The backend whose registration claims this GGUF ``general.architecture``."""
+    for spec in backends().values():
+        if architecture in spec.architectures:
+            return spec
+    return None
+
+
+def call_hook(name: str, **kwargs: Any) -> list[Any]:
+    return list(getattr(pm.hook, name)(**kwargs))

@@ -1,0 +1,110 @@
+"""The normalized request: what every dialect translates into, and what backends read."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A function call the model made (or made in an earlier turn of the history)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, exactly as the model produced it
+
+
+@dataclass(slots=True)
+class Message:
+    """One turn of the conversation, reduced to text.
+
+    ``content`` is the plain text of the turn; ``reasoning`` holds replayed reasoning
+    (most templates drop it); ``tool_calls`` are the calls an assistant turn made and
+    ``tool_call_id``/``name`` identify the call a ``tool`` turn answers.
+    """
+
+    role: Role
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class Tool:
+    """A function declaration offered to the model."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    strict: bool = False
+
+
+class ToolChoiceMode(enum.Enum):
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"  # any tool
+    NAMED = "named"  # the tool named in ToolChoice.name
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    mode: ToolChoiceMode = ToolChoiceMode.AUTO
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class Constraint:
+    """Constrained-decoding request: the grammar the reply must match."""
+
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
+    source: str  # JSON schema text, regex or lark grammar; "" for json_object
+    name: str | None = None
+    strict: bool = True
+
+
+@dataclass(slots=True)
+class Sampling:
+    """Sampling fields; ``None`` means "the model's recommended default"."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass(slots=True)
+class NormalizedRequest:
+    """One generation request, independent of the wire dialect it arrived in.
+
+    Exactly one of ``messages`` (chat) or ``prompt`` (raw text completion) is used:
+    ``prompt`` is not None for ``/v1/completions``.
+    """
+
+    id: str
+    dialect: Literal["chat", "responses", "messages", "completions"]
+    messages: list[Message] = field(default_factory=list)
+    prompt: str | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    sampling: Sampling = field(default_factory=Sampling)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: list[str] = field(default_factory=list)
+    constraint: Constraint | None = None
+    reasoning: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None

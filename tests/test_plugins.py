@@ -1,0 +1,164 @@
+"""The plugin contract: hooks are documented and tested, loading is idempotent."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmserve_core import hookimpl, plugins
+from lmserve_core.backend import ServerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = (ROOT / "docs" / "plugins.md").read_text()
+TEST_SOURCES = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+
+
+def hook_names() -> list[str]:
+    return sorted(name for name in dir(plugins.pm.hook) if not name.startswith("_"))
+
+
+@pytest.mark.parametrize("hook", hook_names())
+def test_every_hook_has_a_documented_signature(hook: str) -> None:
+    spec = getattr(plugins.pm.hook, hook).spec
+    args = ", ".join(spec.argnames)
+    assert f"### {hook}({args})" in DOCS, f"docs/plugins.md lacks a heading for {hook}({args})"
+
+
+@pytest.mark.parametrize("hook", hook_names())
+def test_every_hook_has_a_test(hook: str) -> None:
+    assert re.search(rf"def test_hook_{hook}\b", TEST_SOURCES), f"no test_hook_{hook}"
+
+
+def test_load_plugins_is_idempotent() -> None:
+    plugins.load_plugins()
+    before = plugins.pm.list_name_plugin()
+    plugins.load_plugins()
+    assert plugins.pm.list_name_plugin() == before
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @hookimpl
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register("recorder-test", lambda model, settings: None, architectures=("recarch",))
+
+    @hookimpl
+    def startup(self, backend, settings) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append("startup")
+
+    @hookimpl
+    def shutdown(self, backend) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append("shutdown")
+
+    @hookimpl
+    def prepare_request(self, request, backend) -> None:  # type: ignore[no-untyped-def]
+        request.max_tokens = min(request.max_tokens, 3)
+        self.calls.append("prepare_request")
+
+
+@pytest.fixture
+def recorder():  # type: ignore[no-untyped-def]
+    rec = _Recorder()
+    plugins.pm.register(rec, name="recorder")
+    yield rec
+    plugins.pm.unregister(rec)
+
+
+def test_hook_register_backends(recorder: _Recorder) -> None:
+    spec = plugins.backends()["recorder-test"]
+    assert spec.plugin == "recorder"
+    assert plugins.backend_for_architecture("recarch") is spec
+
+
+def _scripted_app(recorder: _Recorder):  # type: ignore[no-untyped-def]
+    from fake_backend import ScriptedBackend
+
+    from lmserve_core.app import create_app
+    from lmserve_core.engine import Engine
+    from lmserve_core.server import Server
+
+    settings = ServerSettings()
+    engine = Engine(ScriptedBackend(settings))
+    return create_app(Server(engine=engine, settings=settings)), engine
+
+
+def test_hook_startup(recorder: _Recorder) -> None:
+    from litestar.testing import TestClient
+
+    app, engine = _scripted_app(recorder)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        assert recorder.calls == ["startup"]
+    engine.stop()
+
+
+def test_hook_shutdown(recorder: _Recorder) -> None:
+    from litestar.testing import TestClient
+
+    app, engine = _scripted_app(recorder)
+    with TestClient(app):
+        pass
+    assert recorder.calls[-1] == "shutdown"
+    engine.stop()
+
+
+def test_hook_prepare_request(recorder: _Recorder) -> None:
+    from litestar.testing import TestClient
+
+    app, engine = _scripted_app(recorder)
+    with TestClient(app) as client:
+        reply = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "#tokens:10"}], "max_tokens": 50},
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["usage"]["completion_tokens"] == 3
+        assert body["choices"][0]["finish_reason"] == "length"
+    assert "prepare_request" in recorder.calls
+    engine.stop()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env_path = str(ROOT / "tests")
+    return subprocess.run(
+        [sys.executable, "-m", "lmserve_core", *args], capture_output=True, text=True,
+        timeout=120, env={**__import__("os").environ, "PYTHONPATH": env_path},
+    )
+
+
+def test_plugins_command_lists_plugins_and_backends() -> None:
+    out = run_cli("plugins", "--plugin", "fake_backend")
+    assert out.returncode == 0, out.stderr
+    assert "fake_backend" in out.stdout and "register_backends" in out.stdout
+    assert "scripted" in out.stdout
+
+
+def test_help_documents_every_flag() -> None:
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for flag in ("--host", "--port", "--ctx", "--api-key", "--queue", "--conns", "--batch",
+                 "--threads", "--kv-slots", "--backend", "--plugin"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--ctx", "0", "--backend", "scripted"], "--ctx must be at least"),
+        (["--spec", "--backend", "scripted"], "not available"),
+        (["--kv-cache-dir", "/tmp/x", "--backend", "scripted"], "not available"),
+        (["/nonexistent/model.gguf"], "model file not found"),
+    ],
+)
+def test_cli_refuses_bad_arguments_clearly(args: list[str], message: str) -> None:
+    out = run_cli("--plugin", "fake_backend", *args)
+    assert out.returncode == 2
+    assert message in out.stderr
