@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -77,12 +78,16 @@ def handle_validation_error(request: Request[Any, Any, Any], exc: ValidationExce
     extra = exc.extra
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         first = extra[0]
-        detail = first.get("message")
+        detail = str(first.get("message") or "")
         key = first.get("key")
-        if key:
+        missing = re.search(r"missing required field `([^`]+)`", detail)
+        if missing:
+            param = missing.group(1)
+        elif key and key != "data":
             param = str(key)
         if detail:
-            message = f"invalid request body: {detail}"
+            where = f" at '{param}'" if param and not missing else ""
+            message = f"invalid request body{where}: {detail}"
     log.info("request_rejected", path=request.url.path, status=400, error=message)
     return _error_response(request, 400, message, param=param, code="invalid_request")
 
@@ -182,5 +187,6 @@ def create_app(
         lifespan=[lifespan],
         request_max_body_size=max_body,
         openapi_config=OpenAPIConfig(title="lmserve", version=__version__),
+        logging_config=None,  # logging is configured once, in lmserve_core.logs
         debug=False,
     )

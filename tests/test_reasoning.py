@@ -21,7 +21,9 @@ def chars(text: str) -> list[str]:
     return list(text)
 
 
-@pytest.mark.parametrize("split", [chars, lambda s: [s], lambda s: [s[:3], s[3:10], s[10:22], s[22:]]])
+@pytest.mark.parametrize(
+    "split", [chars, lambda s: [s], lambda s: [s[:3], s[3:10], s[10:22], s[22:]]]
+)
 def test_leading_think_block_is_routed(split) -> None:  # type: ignore[no-untyped-def]
     text = "<think>\nLet me see.\n</think>\n\nThe answer is 4."
     assert route(split(text)) == ("Let me see.", "The answer is 4.")

@@ -27,7 +27,6 @@ from ..request import (
 from ..server import Server
 from .anthropic_encoder import MessageStreamEncoder, message_body
 from .anthropic_models import (
-    UNSUPPORTED_BLOCKS,
     ContentBlock,
     CountTokensRequest,
     InputMessage,
@@ -41,8 +40,16 @@ from .anthropic_models import (
     ToolResultContentBlock,
     ToolUseBlock,
 )
-from .common import bounded_max_tokens, check_stop, collect, json_text, new_id, open_stream, replay
-from .common import sse_response
+from .common import (
+    bounded_max_tokens,
+    check_stop,
+    collect,
+    json_text,
+    new_id,
+    open_stream,
+    replay,
+    sse_response,
+)
 
 log = structlog.get_logger("lmserve.messages")
 
@@ -123,6 +130,8 @@ def _translate_messages(
                     continue  # earlier turns' reasoning is not replayed to the model
                 else:
                     raise _unsupported_block(block, f"messages[{i}].content[{j}]")
+            # joined as generated, so the rendered history matches the tokens the model
+            # produced (KV slot reuse compares token prefixes)
             out.append(Message("assistant", "".join(text), tool_calls=calls))
             continue
         # a user turn: tool results become tool turns, in order, around the user's text
@@ -151,9 +160,7 @@ def _translate_messages(
     return system, out
 
 
-def _translate_tools(
-    body: CountTokensRequest, caps: Capabilities
-) -> tuple[list[Tool], ToolChoice]:
+def _translate_tools(body: CountTokensRequest, caps: Capabilities) -> tuple[list[Tool], ToolChoice]:
     custom: list[ToolDefinition] = []
     hosted: list[str] = []
     for i, tool in enumerate(body.tools or []):
@@ -254,8 +261,8 @@ def _thinking(body: CountTokensRequest) -> bool:
         return False
     if body.thinking.type not in THINKING_TYPES:
         raise InvalidRequest(
-            f"'thinking.type' must be one of enabled, adaptive, disabled (got "
-            f"'{body.thinking.type}')",
+            f"'thinking.type' must be one of {', '.join(THINKING_TYPES)} "
+            f"(got '{body.thinking.type}')",
             param="thinking.type",
         )
     return THINKING_TYPES[body.thinking.type]
@@ -272,8 +279,9 @@ def translate(body: CountTokensRequest, server: Server) -> NormalizedRequest:
     caps = server.backend.capabilities
     system, messages = _translate_messages(body.messages, _system_text(body.system))
     if not messages:
-        raise InvalidRequest("'messages' must contain at least one user or assistant turn",
-                             param="messages")
+        raise InvalidRequest(
+            "'messages' must contain at least one user or assistant turn", param="messages"
+        )
     if system:
         if not caps.system_role:
             raise InvalidRequest("'system' is not supported by this model", param="system")
@@ -319,15 +327,18 @@ def _apply_generation_fields(
     )
     normalized.stop = check_stop(body.stop_sequences, "stop_sequences")
     if normalized.stop and not caps.stop_strings:
-        raise InvalidRequest("'stop_sequences' is not supported by this model",
-                             param="stop_sequences")
+        raise InvalidRequest(
+            "'stop_sequences' is not supported by this model", param="stop_sequences"
+        )
     if body.container:
-        raise InvalidRequest("'container' is not supported (no code-execution containers)",
-                             param="container")
+        raise InvalidRequest(
+            "'container' is not supported (no code-execution containers)", param="container"
+        )
     if body.mcp_servers:
-        raise InvalidRequest("'mcp_servers' is not supported (no server-side MCP connector)",
-                             param="mcp_servers")
-    normalized.stream = body.stream
+        raise InvalidRequest(
+            "'mcp_servers' is not supported (no server-side MCP connector)", param="mcp_servers"
+        )
+    normalized.stream = bool(body.stream)
 
 
 # ---------------------------------------------------------------- handlers

@@ -106,7 +106,7 @@ class MessageStreamEncoder:
         self.done = False
 
     def start(self) -> bytes:
-        message = {
+        message: dict[str, Any] = {
             "id": self.msg_id,
             "type": "message",
             "role": "assistant",
@@ -180,7 +180,11 @@ class MessageStreamEncoder:
     def _tool_use(self, call: ToolCall) -> list[bytes]:
         parsed = tool_input(call)
         if parsed is None:
-            return self._delta("text", call.arguments) if call.arguments else []
+            # unparseable arguments pass through as their own text block, as in the
+            # non-streaming body
+            if not call.arguments:
+                return []
+            return self._close() + self._delta("text", call.arguments)
         self.called_tool = True
         frames = self._close()
         frames.append(

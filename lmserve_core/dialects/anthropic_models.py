@@ -123,22 +123,6 @@ ContentBlock = (
     | ContainerUploadBlock
 )
 
-# Blocks that carry no text the server can use and must not be silently dropped.
-UNSUPPORTED_BLOCKS = (
-    ImageBlock,
-    DocumentBlock,
-    SearchResultBlock,
-    ToolReferenceBlock,
-    ServerToolUseBlock,
-    WebSearchToolResultBlock,
-    WebFetchToolResultBlock,
-    CodeExecutionToolResultBlock,
-    BashCodeExecutionToolResultBlock,
-    TextEditorCodeExecutionToolResultBlock,
-    ToolSearchToolResultBlock,
-    ContainerUploadBlock,
-)
-
 
 # ---------------------------------------------------------------- request parts
 
@@ -206,7 +190,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     context_management: dict[str, Any] | None = None

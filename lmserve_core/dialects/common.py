@@ -58,6 +58,13 @@ def json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def error_from_event(event: ErrorEvent) -> LmserveError:
+    """The HTTP error for an error that happened before any output was sent."""
+    err = LmserveError(event.message, status=event.status)
+    err.kind = event.kind
+    return err
+
+
 @dataclass(slots=True)
 class Collected:
     """A whole reply gathered from a stream (non-streaming requests)."""
@@ -97,7 +104,7 @@ async def collect(
             elif isinstance(event, ToolCallEvent):
                 out.tool_calls.append(event.call)
             elif isinstance(event, ErrorEvent):
-                raise LmserveError(event.message, status=event.status)
+                raise error_from_event(event)
             elif isinstance(event, Finish):
                 out.finish = event
     finally:
@@ -125,7 +132,7 @@ async def open_stream(
         raise
     if isinstance(first, ErrorEvent):
         stream.cancel()
-        raise LmserveError(first.message, status=first.status)
+        raise error_from_event(first)
     return stream, [first]
 
 

@@ -113,7 +113,9 @@ class ChatEncoder:
         return sse_data(chunk)
 
     def delta(self, delta: dict[str, Any], reason: str | None = None) -> bytes:
-        return self._frame([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+        return self._frame(
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        )
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         """The SSE body: role chunk, deltas, the finish chunk, the usage chunk, [DONE]."""

@@ -66,11 +66,18 @@ class NamedFunction(msgspec.Struct):
     name: str
 
 
+class AllowedTools(msgspec.Struct):
+    mode: str
+    tools: list[dict[str, Any]] = []
+
+
 class ToolChoiceObject(msgspec.Struct):
-    """``{"type": "function", "function": {"name": ...}}``."""
+    """``{"type": "function", "function": {"name": ...}}`` or
+    ``{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}``."""
 
     type: str
     function: NamedFunction | None = None
+    allowed_tools: AllowedTools | None = None
 
 
 class JsonSchemaFormat(msgspec.Struct):

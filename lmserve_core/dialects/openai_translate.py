@@ -43,7 +43,7 @@ _ROLES: dict[str, Role] = {
     "tool": "tool",
 }
 _EFFORT_OFF = {"none", "minimal"}
-_EFFORT_ON = {"low", "medium", "high", "xhigh"}
+_EFFORT_ON = {"low", "medium", "high", "xhigh", "max"}
 _UNSUPPORTED_PARTS = {
     "image_url": "image content is not supported",
     "input_image": "image content is not supported",
@@ -102,7 +102,9 @@ def stop_from(body: SamplingFields, caps: Capabilities) -> list[str]:
     stop = check_stop(body.stop)
     if stop and not caps.stop_strings:
         raise Unsupported(
-            "'stop' is not supported by this model's backend", param="stop", code="unsupported_parameter"
+            "'stop' is not supported by this model's backend",
+            param="stop",
+            code="unsupported_parameter",
         )
     return stop
 
@@ -120,20 +122,23 @@ def constraint_from(body: SamplingFields, caps: Capabilities) -> Constraint | No
                     param="response_format.json_schema",
                 )
             schema: Any = spec.schema if spec.schema is not None else {}
-            sources.append((
-                "response_format",
-                Constraint(
-                    "json_schema",
-                    json_text(schema),
-                    name=spec.name,
-                    strict=True if spec.strict is None else spec.strict,
-                ),
-            ))
+            sources.append(
+                (
+                    "response_format",
+                    Constraint(
+                        "json_schema",
+                        json_text(schema),
+                        name=spec.name,
+                        strict=True if spec.strict is None else spec.strict,
+                    ),
+                )
+            )
         elif fmt.type == "json_object":
             sources.append(("response_format", Constraint("json_object", "")))
         elif fmt.type != "text":
             raise InvalidRequest(
-                f"'response_format.type' must be text, json_object or json_schema, not {fmt.type!r}",
+                "'response_format.type' must be text, json_object or json_schema, "
+                f"not {fmt.type!r}",
                 param="response_format.type",
             )
     for name in ("regex", "lark"):
@@ -259,38 +264,74 @@ def messages_from(raw: list[ChatMessage], caps: Capabilities) -> list[Message]:
 # -- tools -----------------------------------------------------------------------------
 
 
-def _tool_choice_from(value: str | ToolChoiceObject | None, tools: list[Tool]) -> ToolChoice:
+def _declared(name: str, tools: list[Tool]) -> Tool:
+    for tool in tools:
+        if tool.name == name:
+            return tool
+    raise InvalidRequest(
+        f"'tool_choice' names {name!r}, which is not among the declared tools",
+        param="tool_choice",
+    )
+
+
+def _allowed_tools(value: ToolChoiceObject, tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
+    """``{type: allowed_tools, allowed_tools: {mode, tools}}`` narrows the declared tools."""
+    allowed = value.allowed_tools
+    if allowed is None or allowed.mode not in ("auto", "required"):
+        raise InvalidRequest(
+            "'tool_choice.allowed_tools' needs mode auto or required and a list of tools",
+            param="tool_choice",
+        )
+    names: list[str] = []
+    for ref in allowed.tools:
+        fn = ref.get("function") if isinstance(ref, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if ref.get("type") != "function" or not isinstance(name, str):
+            raise reject("tool_choice", "may only allow function tools ({type, function: {name}})")
+        names.append(name)
+    narrowed = [_declared(name, tools) for name in dict.fromkeys(names)]
+    if allowed.mode == "auto":
+        return ToolChoice(), narrowed
+    if not narrowed:
+        raise InvalidRequest("'tool_choice' requires a tool but allows none", param="tool_choice")
+    if len(narrowed) == 1:
+        return ToolChoice(ToolChoiceMode.NAMED, narrowed[0].name), narrowed
+    return ToolChoice(ToolChoiceMode.REQUIRED), narrowed
+
+
+def _tool_choice_from(
+    value: str | ToolChoiceObject | None, tools: list[Tool]
+) -> tuple[ToolChoice, list[Tool]]:
+    """The tool choice, and the tools it leaves the model."""
     if value is None:
-        return ToolChoice()
+        return ToolChoice(), tools
     if isinstance(value, str):
-        try:
-            mode = ToolChoiceMode(value)
-        except ValueError:
-            mode = ToolChoiceMode.NAMED  # not a valid string
-        if mode is ToolChoiceMode.NAMED:
+        if value not in ("auto", "none", "required"):
             raise InvalidRequest(
                 f"'tool_choice' must be auto, none, required or a function object, not {value!r}",
                 param="tool_choice",
             )
+        mode = ToolChoiceMode(value)
         if mode is ToolChoiceMode.REQUIRED and not tools:
-            raise InvalidRequest("'tool_choice' is required but no tools were given", param="tool_choice")
-        return ToolChoice(mode)
+            raise InvalidRequest(
+                "'tool_choice' is required but no tools were given", param="tool_choice"
+            )
+        return ToolChoice(mode), tools
+    if value.type == "allowed_tools":
+        return _allowed_tools(value, tools)
     if value.type != "function" or value.function is None:
         raise reject("tool_choice", f"of type {value.type!r} is not supported (only function)")
-    name = value.function.name
-    if name not in {t.name for t in tools}:
-        raise InvalidRequest(
-            f"'tool_choice' names {name!r}, which is not among the declared tools",
-            param="tool_choice",
-        )
-    return ToolChoice(ToolChoiceMode.NAMED, name)
+    name = _declared(value.function.name, tools).name
+    return ToolChoice(ToolChoiceMode.NAMED, name), tools
 
 
 def tools_from(body: ChatCompletionRequest) -> list[Tool]:
     tools: list[Tool] = []
     for i, decl in enumerate(body.tools or []):
         if decl.type != "function":
-            raise reject(f"tools[{i}].type", f"{decl.type!r} is not supported (only function tools)")
+            raise reject(
+                f"tools[{i}].type", f"{decl.type!r} is not supported (only function tools)"
+            )
         fn = decl.function
         if fn is None or not fn.name:
             raise InvalidRequest(
@@ -342,12 +383,17 @@ def _apply_tool_caps(
 # -- whole requests ----------------------------------------------------------------------
 
 
-def _reasoning_on(effort: str | None, caps: Capabilities) -> bool:
-    if effort is None or effort in _EFFORT_OFF:
+def _reasoning_on(effort: str | None, template_kwargs: dict[str, Any], caps: Capabilities) -> bool:
+    if effort is None:
+        # llama.cpp precedent: chat_template_kwargs.enable_thinking switches thinking too;
+        # a model without a reasoning mode simply has nothing to switch on.
+        return template_kwargs.get("enable_thinking") is True and caps.reasoning
+    if effort in _EFFORT_OFF:
         return False
     if effort not in _EFFORT_ON:
         raise InvalidRequest(
-            f"'reasoning_effort' must be none, minimal, low, medium or high, not {effort!r}",
+            "'reasoning_effort' must be none, minimal, low, medium, high, xhigh or max, "
+            f"not {effort!r}",
             param="reasoning_effort",
         )
     if not caps.reasoning:
@@ -373,7 +419,7 @@ def chat_request(
     if body.top_logprobs:
         raise reject("top_logprobs")
     if body.modalities and any(m != "text" for m in body.modalities):
-        raise reject("modalities", "must be [\"text\"]: audio output is not supported")
+        raise reject("modalities", 'must be ["text"]: audio output is not supported')
     if body.audio is not None:
         raise reject("audio")
     if body.web_search_options is not None:
@@ -390,11 +436,12 @@ def chat_request(
     stop = stop_from(body, caps)
     constraint = constraint_from(body, caps)
     tools = tools_from(body)
-    choice = _tool_choice_from(body.tool_choice, tools)
+    choice, tools = _tool_choice_from(body.tool_choice, tools)
     tools = _apply_tool_caps(tools, choice, constraint, caps)
     if not tools:
         choice = ToolChoice()
-    reasoning = _reasoning_on(body.reasoning_effort, caps)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    reasoning = _reasoning_on(body.reasoning_effort, template_kwargs, caps)
     forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
     stream = bool(body.stream)
     return NormalizedRequest(
@@ -412,7 +459,7 @@ def chat_request(
         reasoning=reasoning and constraint is None and not forced,
         stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
-        template_kwargs=dict(body.chat_template_kwargs or {}),
+        template_kwargs=template_kwargs,
         model=body.model,
     )
 

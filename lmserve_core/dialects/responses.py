@@ -15,11 +15,12 @@ import structlog
 from litestar import Request, Response, post
 
 from ..backend import Capabilities
-from ..errors import InvalidRequest
+from ..errors import BackendFailure, InvalidRequest
 from ..request import (
     Constraint,
     Message,
     NormalizedRequest,
+    Role,
     Sampling,
     Tool,
     ToolCall,
@@ -45,7 +46,12 @@ log = structlog.get_logger("lmserve.responses")
 
 TEXT_PARTS = {"input_text", "output_text", "text"}
 UNSUPPORTED_PARTS = {"input_image", "input_file", "input_audio", "image_url", "file"}
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+ROLES: dict[str, Role] = {
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+    "developer": "system",
+}
 EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh"}
 REASONING_OFF = {"none", "minimal"}
 
@@ -160,7 +166,7 @@ def _messages(body: ResponsesRequest) -> list[Message]:
     call_names: dict[str, str] = {}
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
-        kind = item.get("type", "message")
+        kind = item.get("type") or "message"
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
@@ -205,7 +211,10 @@ def _check_no_system(body: ResponsesRequest) -> None:
     if body.instructions:
         raise InvalidRequest("'instructions': this model has no system role", param="instructions")
     for i, item in enumerate(body.input if isinstance(body.input, list) else []):
-        if item.get("type", "message") == "message" and item.get("role") in ("system", "developer"):
+        if (item.get("type") or "message") == "message" and item.get("role") in (
+            "system",
+            "developer",
+        ):
             raise InvalidRequest(
                 f"'input[{i}].role': this model has no system role", param=f"input[{i}].role"
             )
@@ -403,7 +412,7 @@ def _reasoning(body: ResponsesRequest, caps: Capabilities) -> bool:
 
 def _echo(body: ResponsesRequest, tools: list[Tool], max_tokens: int) -> dict[str, Any]:
     """The request fields the SDK's ``Response`` type expects back."""
-    text = {"format": {"type": "text"}}
+    text: dict[str, Any] = {"format": {"type": "text"}}
     if body.text is not None and body.text.format is not None:
         fmt = body.text.format
         text = {
@@ -505,6 +514,8 @@ async def create_response(
         encoder = ResponsesStreamEncoder(translated.meta)
         return sse_response(stream, encoder.frames(replay(stream, head)))
     collected = await collect(server.engine, request, normalized)
+    if collected.finish.reason == "error":
+        raise BackendFailure("generation failed")
     return Response(encode_response(translated.meta, collected))
 
 

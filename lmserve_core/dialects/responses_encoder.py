@@ -158,6 +158,10 @@ class ResponsesStreamEncoder:
             elif isinstance(event, Finish):
                 if event.reason == "cancelled":
                     return  # the client is gone or the server is stopping
+                if event.reason == "error":  # a failure that sent no ErrorEvent of its own
+                    for frame in self._failed(ErrorEvent("generation failed")):
+                        yield frame
+                    return
                 for frame in self._finish(event):
                     yield frame
                 return

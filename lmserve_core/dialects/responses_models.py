@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 
-class TextFormat(msgspec.Struct, kw_only=True):
+class ResponsesTextFormat(msgspec.Struct, kw_only=True):
     """``text.format``: ``text``, ``json_object`` or ``json_schema``."""
 
     type: str = "text"
@@ -23,14 +23,14 @@ class TextFormat(msgspec.Struct, kw_only=True):
     description: str | None = None
 
 
-class TextConfig(msgspec.Struct, kw_only=True):
+class ResponsesTextConfig(msgspec.Struct, kw_only=True):
     """``text``: the output format (``verbosity`` is accepted and ignored)."""
 
-    format: TextFormat | None = None
+    format: ResponsesTextFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningConfig(msgspec.Struct, kw_only=True):
+class ResponsesReasoning(msgspec.Struct, kw_only=True):
     """``reasoning``: ``effort`` switches the reasoning channel; ``summary`` is ignored."""
 
     effort: str | None = None
@@ -48,8 +48,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     max_output_tokens: int | None = None
     stream: bool | None = None
-    text: TextConfig | None = None
-    reasoning: ReasoningConfig | None = None
+    text: ResponsesTextConfig | None = None
+    reasoning: ResponsesReasoning | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # extensions (llama.cpp precedent)

@@ -26,7 +26,13 @@ _TRUE = {"1", "true", "yes", "on"}
 # -ffp-contract=off: no silent FMA contraction, so the portable decoders round exactly like
 # the GGML/gguf references and every ISA path is deterministic. -fvisibility=hidden keeps the
 # lm_* symbols private to each extension that embeds them.
-_BASE_FLAGS = ["-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
+_BASE_FLAGS = [
+    "-std=gnu11",
+    "-Werror=implicit-function-declaration",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fvisibility=hidden",
+]
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:

@@ -6,6 +6,8 @@
 
 #include "lm_internal.h"
 
+float lm_f16_table[1 << 16];
+
 static lm_kernels g_tables[3];
 static int g_best = LM_ISA_PORTABLE;
 static _Atomic int g_active = LM_ISA_PORTABLE;
@@ -28,6 +30,9 @@ static int detect_best(void) {
 }
 
 static void init_tables(void) {
+    for (uint32_t h = 0; h < (1u << 16); h++) {
+        lm_f16_table[h] = lm_half_to_float((lm_half)h);
+    }
     lm_kernels_portable(&g_tables[LM_ISA_PORTABLE]);
     g_tables[LM_ISA_AVX2] = g_tables[LM_ISA_PORTABLE];
     g_tables[LM_ISA_AVX512] = g_tables[LM_ISA_PORTABLE];

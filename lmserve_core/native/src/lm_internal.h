@@ -97,6 +97,13 @@ static inline uint32_t lm_fp32_to_bits(float f) {
     return w;
 }
 
+/* Unaligned little-endian loads (blocks are packed, 2-byte aligned at best). */
+static inline lm_half lm_load_half(const void *p) {
+    lm_half h;
+    memcpy(&h, p, sizeof h);
+    return h;
+}
+
 /* Exact IEEE half -> single, including subnormals, inf and NaN. */
 static inline float lm_half_to_float(lm_half h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -117,15 +124,16 @@ static inline float lm_half_to_float(lm_half h) {
     return lm_fp32_from_bits(bits);
 }
 
-static inline float lm_bf16_to_float(uint16_t h) {
-    return lm_fp32_from_bits((uint32_t)h << 16);
+/* Every half's float value, filled once at start-up: a scale becomes one load (which SIMD
+ * code can broadcast straight from memory) instead of a conversion. */
+extern float lm_f16_table[1 << 16];
+
+static inline float lm_f16(const void *p) {
+    return lm_f16_table[lm_load_half(p)];
 }
 
-/* Unaligned little-endian loads (blocks are packed, 2-byte aligned at best). */
-static inline lm_half lm_load_half(const void *p) {
-    lm_half h;
-    memcpy(&h, p, sizeof h);
-    return h;
+static inline float lm_bf16_to_float(uint16_t h) {
+    return lm_fp32_from_bits((uint32_t)h << 16);
 }
 
 /* 6-bit scale and min j (0..7) of a Q4_K/Q5_K super-block. */
@@ -136,6 +144,55 @@ static inline void lm_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t
     } else {
         *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
         *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* ------------------------------------------------------------------ block scales as floats
+ * s[] receives what a block's groups are multiplied by: 32-blocks {d, m}; Q4_K/Q5_K
+ * s[g] = d * scale_g and s[8 + g] = dmin * min_g; Q6_K s[i] = d * scales[i]. */
+static inline void lm_scales_kq(const uint8_t *scales, float d, float dmin, float *s) {
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        lm_scale_min_k4(j, scales, &sc, &m);
+        s[j] = d * (float)sc;
+        s[8 + j] = dmin * (float)m;
+    }
+}
+
+static inline void lm_scales_q4_0(const block_q4_0 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+}
+
+static inline void lm_scales_q4_1(const block_q4_1 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+    s[1] = lm_f16(&b->m);
+}
+
+static inline void lm_scales_q5_0(const block_q5_0 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+}
+
+static inline void lm_scales_q5_1(const block_q5_1 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+    s[1] = lm_f16(&b->m);
+}
+
+static inline void lm_scales_q8_0(const block_q8_0 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+}
+
+static inline void lm_scales_q4_K(const block_q4_K *b, float *s) {
+    lm_scales_kq(b->scales, lm_f16(&b->d), lm_f16(&b->dmin), s);
+}
+
+static inline void lm_scales_q5_K(const block_q5_K *b, float *s) {
+    lm_scales_kq(b->scales, lm_f16(&b->d), lm_f16(&b->dmin), s);
+}
+
+static inline void lm_scales_q6_K(const block_q6_K *b, float *s) {
+    const float d = lm_f16(&b->d);
+    for (int i = 0; i < 16; i++) {
+        s[i] = d * (float)b->scales[i];
     }
 }
 

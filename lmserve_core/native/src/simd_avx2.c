@@ -1,8 +1,407 @@
-/* avx2 kernels (filled in below). */
+/*
+ * AVX2 + FMA + F16C kernels. Compiled with per-function target attributes so the same
+ * binary runs on any x86-64; dispatch.c installs them only when the CPU has the features.
+ *
+ * Same scheme as the AVX-512 path with 8 lanes: each 32-element group decodes into four
+ * vectors (bit-identical to the portable decoder when fused = 0), dot products FMA them
+ * with x.
+ */
 #include "lm_internal.h"
 
 #if LM_HAVE_X86
-void lm_kernels_avx2(lm_kernels *k) {
-    (void)k;
+#include <immintrin.h>
+
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+/* ------------------------------------------------------------------ helpers */
+T256 static inline __m256 y_u8_ps(__m128i v) { /* low 8 bytes */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
 }
-#endif
+
+T256 static inline __m256 y_i8_ps(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+
+/* 16 unsigned / signed bytes -> two float vectors */
+T256 static inline void y_u8x16_ps(__m128i v, __m256 *out) {
+    out[0] = y_u8_ps(v);
+    out[1] = y_u8_ps(_mm_unpackhi_epi64(v, v));
+}
+
+T256 static inline void y_i8x16_ps(__m128i v, __m256 *out) {
+    out[0] = y_i8_ps(v);
+    out[1] = y_i8_ps(_mm_unpackhi_epi64(v, v));
+}
+
+T256 static inline __m128i y_lo128(__m256i v) {
+    return _mm256_castsi256_si128(v);
+}
+
+T256 static inline __m128i y_hi128(__m256i v) {
+    return _mm256_extracti128_si256(v, 1);
+}
+
+/* 32 bits -> 32 bytes, byte i = 16 if bit i is set, else 0 */
+T256 static inline __m256i y_bits_to_16(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                            2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+    return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
+
+#define AFFINE(q, d, m, fused)                                                                 \
+    ((fused) ? _mm256_fmadd_ps((q), (d), (m)) : _mm256_add_ps(_mm256_mul_ps((q), (d)), (m)))
+#define AFFINE_SUB(q, d, m, fused)                                                             \
+    ((fused) ? _mm256_fmsub_ps((q), (d), (m)) : _mm256_sub_ps(_mm256_mul_ps((d), (q)), (m)))
+
+/* ------------------------------------------------------------------ 32-element groups
+ * y_dec_<type>(b, g, s, w, fused) decodes group g into w[0..3]; s holds the block's scales
+ * from lm_scales_<type>. */
+T256 static inline void y_dec_q4_0(const block_q4_0 *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)g;
+    (void)fused;
+    const __m128i m4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(8);
+    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    const __m256 d = _mm256_set1_ps(s[0]);
+    y_i8x16_ps(_mm_sub_epi8(_mm_and_si128(q, m4), off), w);
+    y_i8x16_ps(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), off), w + 2);
+    for (int i = 0; i < 4; i++) {
+        w[i] = _mm256_mul_ps(w[i], d);
+    }
+}
+
+T256 static inline void y_dec_q4_1(const block_q4_1 *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)g;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    const __m256 d = _mm256_set1_ps(s[0]);
+    const __m256 m = _mm256_set1_ps(s[1]);
+    y_u8x16_ps(_mm_and_si128(q, m4), w);
+    y_u8x16_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4), w + 2);
+    for (int i = 0; i < 4; i++) {
+        w[i] = AFFINE(w[i], d, m, fused);
+    }
+}
+
+/* 5-bit values of a Q5_0/Q5_1 block as 32 bytes (element i in byte i). */
+T256 static inline __m256i y_q5_bytes(const uint8_t *qs, const uint8_t *qhp) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    uint32_t qh;
+    memcpy(&qh, qhp, sizeof qh);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                                         _mm_and_si128(q, m4));
+    return _mm256_or_si256(nib, y_bits_to_16(qh));
+}
+
+T256 static inline void y_dec_q5_0(const block_q5_0 *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)g;
+    (void)fused;
+    const __m256i q = _mm256_sub_epi8(y_q5_bytes(b->qs, b->qh), _mm256_set1_epi8(16));
+    const __m256 d = _mm256_set1_ps(s[0]);
+    y_i8x16_ps(y_lo128(q), w);
+    y_i8x16_ps(y_hi128(q), w + 2);
+    for (int i = 0; i < 4; i++) {
+        w[i] = _mm256_mul_ps(w[i], d);
+    }
+}
+
+T256 static inline void y_dec_q5_1(const block_q5_1 *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)g;
+    const __m256i q = y_q5_bytes(b->qs, b->qh);
+    const __m256 d = _mm256_set1_ps(s[0]);
+    const __m256 m = _mm256_set1_ps(s[1]);
+    y_u8x16_ps(y_lo128(q), w);
+    y_u8x16_ps(y_hi128(q), w + 2);
+    for (int i = 0; i < 4; i++) {
+        w[i] = AFFINE(w[i], d, m, fused);
+    }
+}
+
+T256 static inline void y_dec_q8_0(const block_q8_0 *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)g;
+    (void)fused;
+    const __m256 d = _mm256_set1_ps(s[0]);
+    y_i8x16_ps(_mm_loadu_si128((const __m128i *)b->qs), w);
+    y_i8x16_ps(_mm_loadu_si128((const __m128i *)(b->qs + 16)), w + 2);
+    for (int i = 0; i < 4; i++) {
+        w[i] = _mm256_mul_ps(w[i], d);
+    }
+}
+
+/* Group g (0..7) of a Q4_K/Q5_K super-block: bytes qs[32 (g/2) ..], nibble g%2, scale g. */
+T256 static inline __m256i y_nibbles(const uint8_t *p, int g) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)p);
+    return _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (g & 1))),
+                            _mm256_set1_epi8(0x0F));
+}
+
+T256 static inline void y_kq_affine(__m256i q, const float *s, int g, __m256 w[4], int fused) {
+    const __m256 ds = _mm256_set1_ps(s[g]);
+    const __m256 ms = _mm256_set1_ps(s[8 + g]);
+    y_u8x16_ps(y_lo128(q), w);
+    y_u8x16_ps(y_hi128(q), w + 2);
+    for (int i = 0; i < 4; i++) {
+        w[i] = AFFINE_SUB(w[i], ds, ms, fused);
+    }
+}
+
+T256 static inline void y_dec_q4_K(const block_q4_K *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    y_kq_affine(y_nibbles(b->qs + 32 * (g / 2), g), s, g, w, fused);
+}
+
+T256 static inline void y_dec_q5_K(const block_q5_K *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)b->qh);
+    const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)),
+                                       _mm256_set1_epi8(1));
+    const __m256i q = _mm256_or_si256(y_nibbles(b->qs + 32 * (g / 2), g), _mm256_slli_epi16(h, 4));
+    y_kq_affine(q, s, g, w, fused);
+}
+
+/* Group g (0..7): half n = g/4, then gg = g%4 picks the ql half (gg&1), the nibble (gg>>1)
+ * and the 2-bit field 2*gg of qh; sixteen elements per scale. */
+T256 static inline void y_dec_q6_K(const block_q6_K *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)fused;
+    const int n = g / 4, gg = g % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * n + 32 * (gg & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * n));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (gg >> 1))),
+                                        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * gg)),
+                                        _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
+                                      _mm256_set1_epi8(32));
+    const float *sc = s + 8 * n + 2 * gg;
+    const __m256 d0 = _mm256_set1_ps(sc[0]), d1 = _mm256_set1_ps(sc[1]);
+    y_i8x16_ps(y_lo128(q), w);
+    y_i8x16_ps(y_hi128(q), w + 2);
+    w[0] = _mm256_mul_ps(d0, w[0]);
+    w[1] = _mm256_mul_ps(d0, w[1]);
+    w[2] = _mm256_mul_ps(d1, w[2]);
+    w[3] = _mm256_mul_ps(d1, w[3]);
+}
+
+#define DEF_BLOCK_KERNELS(name, blk, qk)                                                       \
+    T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {              \
+        const blk *b = row;                                                                  \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
+        float s[16];                                                                         \
+        for (int64_t i = 0; i < n / (qk); i++) {                                             \
+            const float *xb = x + i * (qk);                                                  \
+            lm_scales_##name(b + i, s);                                                      \
+            for (int g = 0; g < (qk) / 32; g++) {                                            \
+                __m256 w[4];                                                                 \
+                y_dec_##name(b + i, g, s, w, 1);                                             \
+                a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb + 32 * g), a0);                \
+                a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 32 * g + 8), a1);            \
+                a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 32 * g + 16), a2);           \
+                a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 32 * g + 24), a3);           \
+            }                                                                                \
+        }                                                                                    \
+        return y_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));          \
+    }                                                                                        \
+    T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                   \
+        const blk *b = src;                                                                  \
+        float s[16];                                                                         \
+        for (int64_t i = 0; i < n / (qk); i++) {                                             \
+            lm_scales_##name(b + i, s);                                                      \
+            for (int g = 0; g < (qk) / 32; g++) {                                            \
+                __m256 w[4];                                                                 \
+                y_dec_##name(b + i, g, s, w, 0);                                             \
+                for (int v = 0; v < 4; v++) {                                                \
+                    _mm256_storeu_ps(dst + i * (qk) + 32 * g + 8 * v, w[v]);                 \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+T256 static inline float y_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
+DEF_BLOCK_KERNELS(q4_1, block_q4_1, QK)
+DEF_BLOCK_KERNELS(q5_0, block_q5_0, QK)
+DEF_BLOCK_KERNELS(q5_1, block_q5_1, QK)
+DEF_BLOCK_KERNELS(q8_0, block_q8_0, QK)
+DEF_BLOCK_KERNELS(q4_K, block_q4_K, QKK)
+DEF_BLOCK_KERNELS(q5_K, block_q5_K, QKK)
+DEF_BLOCK_KERNELS(q6_K, block_q6_K, QKK)
+
+/* ------------------------------------------------------------------ element types */
+T256 static inline __m256 y_load_f16(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+T256 static inline __m256 y_load_bf16(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+T256 static inline __m256 y_load_f32(const uint8_t *p) {
+    return _mm256_loadu_ps((const float *)p);
+}
+
+#define DEF_ELEM_KERNELS(name, esize, conv)                                                    \
+    T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {              \
+        const uint8_t *p = row;                                                              \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                           \
+        int64_t i = 0;                                                                       \
+        for (; i + 16 <= n; i += 16) {                                                       \
+            a0 = _mm256_fmadd_ps(y_load_##name(p + (esize) * i), _mm256_loadu_ps(x + i), a0);\
+            a1 = _mm256_fmadd_ps(y_load_##name(p + (esize) * (i + 8)),                       \
+                                 _mm256_loadu_ps(x + i + 8), a1);                            \
+        }                                                                                    \
+        float s = y_hsum(_mm256_add_ps(a0, a1));                                             \
+        for (; i < n; i++) {                                                                 \
+            float v;                                                                         \
+            conv;                                                                            \
+            s += v * x[i];                                                                   \
+        }                                                                                    \
+        return s;                                                                            \
+    }                                                                                        \
+    T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                   \
+        const uint8_t *p = src;                                                              \
+        int64_t i = 0;                                                                       \
+        for (; i + 8 <= n; i += 8) {                                                         \
+            _mm256_storeu_ps(dst + i, y_load_##name(p + (esize) * i));                       \
+        }                                                                                    \
+        for (; i < n; i++) {                                                                 \
+            float v;                                                                         \
+            conv;                                                                            \
+            dst[i] = v;                                                                      \
+        }                                                                                    \
+    }
+
+DEF_ELEM_KERNELS(f16, 2, v = lm_f16(p + 2 * i))
+DEF_ELEM_KERNELS(bf16, 2, v = lm_bf16_to_float(lm_load_half(p + 2 * i)))
+DEF_ELEM_KERNELS(f32, 4, memcpy(&v, p + 4 * i, 4))
+
+/* ------------------------------------------------------------------ f32 vector helpers */
+T256 static float y_vdot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    }
+    float s = y_hsum(acc);
+    for (; i < n; i++) {
+        s += a[i] * b[i];
+    }
+    return s;
+}
+
+T256 static void y_vaxpy_f32(float *y, float a, const float *x, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; i++) {
+        y[i] += a * x[i];
+    }
+}
+
+T256 static void y_vscale_f32(float *y, float a, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(va, _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; i++) {
+        y[i] *= a;
+    }
+}
+
+/* ------------------------------------------------------------------ GEMM micro-kernel
+ * 16 weight rows (two vectors) x 6 tokens (broadcasts): 12 accumulators of 16 registers. */
+#define Y_MR 16
+#define Y_NR 6
+
+T256 static void y_gemm_16x6(const float *a, const float *b, int64_t k, float *c) {
+    __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
+    __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
+    for (int64_t p = 0; p < k; p++) {
+        const __m256 a0 = _mm256_load_ps(a + p * Y_MR);
+        const __m256 a1 = _mm256_load_ps(a + p * Y_MR + 8);
+        const float *bp = b + p * Y_NR;
+#define STEP(t)                                                                                \
+    do {                                                                                       \
+        const __m256 bt = _mm256_broadcast_ss(bp + (t));                                      \
+        c##t##a = _mm256_fmadd_ps(a0, bt, c##t##a);                                           \
+        c##t##b = _mm256_fmadd_ps(a1, bt, c##t##b);                                           \
+    } while (0)
+        STEP(0);
+        STEP(1);
+        STEP(2);
+        STEP(3);
+        STEP(4);
+        STEP(5);
+#undef STEP
+    }
+#define OUT(t)                                                                                 \
+    do {                                                                                       \
+        _mm256_storeu_ps(c + (t) * Y_MR, c##t##a);                                            \
+        _mm256_storeu_ps(c + (t) * Y_MR + 8, c##t##b);                                        \
+    } while (0)
+    OUT(0);
+    OUT(1);
+    OUT(2);
+    OUT(3);
+    OUT(4);
+    OUT(5);
+#undef OUT
+}
+
+void lm_kernels_avx2(lm_kernels *k) {
+    k->dequant[LM_F32] = y_deq_f32;
+    k->dequant[LM_F16] = y_deq_f16;
+    k->dequant[LM_BF16] = y_deq_bf16;
+    k->dequant[LM_Q4_0] = y_deq_q4_0;
+    k->dequant[LM_Q4_1] = y_deq_q4_1;
+    k->dequant[LM_Q5_0] = y_deq_q5_0;
+    k->dequant[LM_Q5_1] = y_deq_q5_1;
+    k->dequant[LM_Q8_0] = y_deq_q8_0;
+    k->dequant[LM_Q4_K] = y_deq_q4_K;
+    k->dequant[LM_Q5_K] = y_deq_q5_K;
+    k->dequant[LM_Q6_K] = y_deq_q6_K;
+    k->dot[LM_F32] = y_dot_f32;
+    k->dot[LM_F16] = y_dot_f16;
+    k->dot[LM_BF16] = y_dot_bf16;
+    k->dot[LM_Q4_0] = y_dot_q4_0;
+    k->dot[LM_Q4_1] = y_dot_q4_1;
+    k->dot[LM_Q5_0] = y_dot_q5_0;
+    k->dot[LM_Q5_1] = y_dot_q5_1;
+    k->dot[LM_Q8_0] = y_dot_q8_0;
+    k->dot[LM_Q4_K] = y_dot_q4_K;
+    k->dot[LM_Q5_K] = y_dot_q5_K;
+    k->dot[LM_Q6_K] = y_dot_q6_K;
+    k->gemm = y_gemm_16x6;
+    k->mr = Y_MR;
+    k->nr = Y_NR;
+    k->dot_f32 = y_vdot_f32;
+    k->axpy_f32 = y_vaxpy_f32;
+    k->scale_f32 = y_vscale_f32;
+}
+
+#undef T256
+#undef AFFINE
+#undef AFFINE_SUB
+#undef DEF_BLOCK_KERNELS
+#undef DEF_ELEM_KERNELS
+#undef Y_MR
+#undef Y_NR
+#endif /* LM_HAVE_X86 */

@@ -34,25 +34,36 @@ T512 static inline __m128i z_hi128(__m256i v) {
     return _mm256_extracti128_si256(v, 1);
 }
 
-/* ------------------------------------------------------------------ 32-element groups */
-T512 static inline void z_dec_q4_0(const block_q4_0 *b, int g, __m512 w[2]) {
+/* ------------------------------------------------------------------ 32-element groups
+ * lm_scales_<type>(b, s) reads a block's scales into floats (SIMD code broadcasts them straight
+ * from memory, which keeps the shuffle port free); z_dec_<type>(b, g, s, w, fused) decodes group g
+ * into w[0..1]. fused = 0 rounds exactly like the portable decoder (dequantize, GEMM panels);
+ * fused = 1 folds "q * d + m" into one FMA (dot products: one op less, one rounding less). */
+#define AFFINE(q, d, m, fused)                                                                 \
+    ((fused) ? _mm512_fmadd_ps((q), (d), (m)) : _mm512_add_ps(_mm512_mul_ps((q), (d)), (m)))
+#define AFFINE_SUB(q, d, m, fused)                                                             \
+    ((fused) ? _mm512_fmsub_ps((q), (d), (m)) : _mm512_sub_ps(_mm512_mul_ps((d), (q)), (m)))
+
+T512 static inline void z_dec_q4_0(const block_q4_0 *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
     (void)g;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
+    (void)fused;
+    const __m128i m4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(8);
     const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
-    const __m512 d = _mm512_set1_ps(z_half1(b->d));
-    const __m512 off = _mm512_set1_ps(-8.0f);
-    w[0] = _mm512_mul_ps(_mm512_add_ps(z_u8_ps(_mm_and_si128(q, m4)), off), d);
-    w[1] = _mm512_mul_ps(_mm512_add_ps(z_u8_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), off), d);
+    const __m512 d = _mm512_set1_ps(s[0]);
+    w[0] = _mm512_mul_ps(z_i8_ps(_mm_sub_epi8(_mm_and_si128(q, m4), off)), d);
+    w[1] = _mm512_mul_ps(z_i8_ps(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), off)), d);
 }
 
-T512 static inline void z_dec_q4_1(const block_q4_1 *b, int g, __m512 w[2]) {
+T512 static inline void z_dec_q4_1(const block_q4_1 *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
     (void)g;
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
-    const __m512 d = _mm512_set1_ps(z_half1(b->d));
-    const __m512 m = _mm512_set1_ps(z_half1(b->m));
-    w[0] = _mm512_add_ps(_mm512_mul_ps(z_u8_ps(_mm_and_si128(q, m4)), d), m);
-    w[1] = _mm512_add_ps(_mm512_mul_ps(z_u8_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d), m);
+    const __m512 d = _mm512_set1_ps(s[0]);
+    const __m512 m = _mm512_set1_ps(s[1]);
+    w[0] = AFFINE(z_u8_ps(_mm_and_si128(q, m4)), d, m, fused);
+    w[1] = AFFINE(z_u8_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d, m, fused);
 }
 
 /* 5th bits: bit i of qh belongs to element i. */
@@ -68,67 +79,71 @@ T512 static inline void z_q5_ints(const uint8_t *qs, const uint8_t *qhp, __m512i
     out[1] = _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, b16);
 }
 
-T512 static inline void z_dec_q5_0(const block_q5_0 *b, int g, __m512 w[2]) {
+T512 static inline void z_dec_q5_0(const block_q5_0 *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
     (void)g;
+    (void)fused;
     __m512i q[2];
     z_q5_ints(b->qs, b->qh, q);
     const __m512i off = _mm512_set1_epi32(16);
-    const __m512 d = _mm512_set1_ps(z_half1(b->d));
+    const __m512 d = _mm512_set1_ps(s[0]);
     w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[0], off)), d);
     w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[1], off)), d);
 }
 
-T512 static inline void z_dec_q5_1(const block_q5_1 *b, int g, __m512 w[2]) {
+T512 static inline void z_dec_q5_1(const block_q5_1 *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
     (void)g;
     __m512i q[2];
     z_q5_ints(b->qs, b->qh, q);
-    const __m512 d = _mm512_set1_ps(z_half1(b->d));
-    const __m512 m = _mm512_set1_ps(z_half1(b->m));
-    w[0] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q[0]), d), m);
-    w[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q[1]), d), m);
+    const __m512 d = _mm512_set1_ps(s[0]);
+    const __m512 m = _mm512_set1_ps(s[1]);
+    w[0] = AFFINE(_mm512_cvtepi32_ps(q[0]), d, m, fused);
+    w[1] = AFFINE(_mm512_cvtepi32_ps(q[1]), d, m, fused);
 }
 
-T512 static inline void z_dec_q8_0(const block_q8_0 *b, int g, __m512 w[2]) {
+T512 static inline void z_dec_q8_0(const block_q8_0 *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
     (void)g;
-    const __m512 d = _mm512_set1_ps(z_half1(b->d));
+    (void)fused;
+    const __m512 d = _mm512_set1_ps(s[0]);
     w[0] = _mm512_mul_ps(z_i8_ps(_mm_loadu_si128((const __m128i *)b->qs)), d);
     w[1] = _mm512_mul_ps(z_i8_ps(_mm_loadu_si128((const __m128i *)(b->qs + 16))), d);
 }
 
 /* Group g (0..7) of a Q4_K/Q5_K super-block: bytes qs[32 (g/2) ..], nibble g%2, scale g. */
-T512 static inline void z_kq_affine(const __m256i q, float d, float dmin, const uint8_t *scales,
-                                  int g, __m512 w[2]) {
-    uint8_t sc, m;
-    lm_scale_min_k4(g, scales, &sc, &m);
-    const __m512 ds = _mm512_set1_ps(d * (float)sc);
-    const __m512 ms = _mm512_set1_ps(dmin * (float)m);
-    w[0] = _mm512_sub_ps(_mm512_mul_ps(ds, z_u8_ps(z_lo128(q))), ms);
-    w[1] = _mm512_sub_ps(_mm512_mul_ps(ds, z_u8_ps(z_hi128(q))), ms);
-}
-
 T512 static inline __m256i z_nibbles(const uint8_t *p, int g) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)p);
     return _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (g & 1))),
                             _mm256_set1_epi8(0x0F));
 }
 
-T512 static inline void z_dec_q4_K(const block_q4_K *b, int g, __m512 w[2]) {
-    const __m256i q = z_nibbles(b->qs + 32 * (g / 2), g);
-    z_kq_affine(q, z_half1(b->d), z_half1(b->dmin), b->scales, g, w);
+T512 static inline void z_kq_affine(__m256i q, const float *s, int g, __m512 w[2], int fused) {
+    const __m512 ds = _mm512_set1_ps(s[g]);
+    const __m512 ms = _mm512_set1_ps(s[8 + g]);
+    w[0] = AFFINE_SUB(z_u8_ps(z_lo128(q)), ds, ms, fused);
+    w[1] = AFFINE_SUB(z_u8_ps(z_hi128(q)), ds, ms, fused);
 }
 
-T512 static inline void z_dec_q5_K(const block_q5_K *b, int g, __m512 w[2]) {
-    __m256i q = z_nibbles(b->qs + 32 * (g / 2), g);
+T512 static inline void z_dec_q4_K(const block_q4_K *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
+    z_kq_affine(z_nibbles(b->qs + 32 * (g / 2), g), s, g, w, fused);
+}
+
+T512 static inline void z_dec_q5_K(const block_q5_K *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
     const __m256i qh = _mm256_loadu_si256((const __m256i *)b->qh);
     const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g)),
                                        _mm256_set1_epi8(1));
-    q = _mm256_or_si256(q, _mm256_slli_epi16(h, 4));
-    z_kq_affine(q, z_half1(b->d), z_half1(b->dmin), b->scales, g, w);
+    const __m256i q = _mm256_or_si256(z_nibbles(b->qs + 32 * (g / 2), g), _mm256_slli_epi16(h, 4));
+    z_kq_affine(q, s, g, w, fused);
 }
 
-/* Group g (0..7) of Q6_K: half n = g/4, then gg = g%4 picks the ql half (gg&1), the nibble
- * (gg>>1) and the 2-bit field 2*gg of qh; sixteen elements per scale. */
-T512 static inline void z_dec_q6_K(const block_q6_K *b, int g, __m512 w[2]) {
+/* Group g (0..7): half n = g/4, then gg = g%4 picks the ql half (gg&1), the nibble (gg>>1)
+ * and the 2-bit field 2*gg of qh. */
+T512 static inline void z_dec_q6_K(const block_q6_K *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
+    (void)fused;
     const int n = g / 4, gg = g % 4;
     const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * n + 32 * (gg & 1)));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * n));
@@ -136,38 +151,39 @@ T512 static inline void z_dec_q6_K(const block_q6_K *b, int g, __m512 w[2]) {
                                         _mm256_set1_epi8(0x0F));
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * gg)),
                                         _mm256_set1_epi8(3));
-    const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    const float d = z_half1(b->d);
-    const int8_t *sc = b->scales + 8 * n + 2 * gg;
-    const __m512i off = _mm512_set1_epi32(32);
-    const __m512i q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(z_lo128(q)), off);
-    const __m512i q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(z_hi128(q)), off);
-    w[0] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[0]), _mm512_cvtepi32_ps(q0));
-    w[1] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[1]), _mm512_cvtepi32_ps(q1));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
+                                      _mm256_set1_epi8(32));
+    const float *sc = s + 8 * n + 2 * gg;
+    w[0] = _mm512_mul_ps(_mm512_set1_ps(sc[0]), z_i8_ps(z_lo128(q)));
+    w[1] = _mm512_mul_ps(_mm512_set1_ps(sc[1]), z_i8_ps(z_hi128(q)));
 }
 
 /* dot and dequantize over whole blocks of `qk` elements made of qk/32 groups */
 #define DEF_BLOCK_KERNELS(name, blk, qk)                                                       \
-    T512 static float z_dot_##name(const void *row, const float *x, int64_t n) {                \
+    T512 static float z_dot_##name(const void *row, const float *x, int64_t n) {              \
         const blk *b = row;                                                                  \
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                           \
+        float s[16];                                                                         \
         for (int64_t i = 0; i < n / (qk); i++) {                                             \
             const float *xb = x + i * (qk);                                                  \
+            lm_scales_##name(b + i, s);                                                          \
             for (int g = 0; g < (qk) / 32; g++) {                                            \
                 __m512 w[2];                                                                 \
-                z_dec_##name(b + i, g, w);                                                     \
+                z_dec_##name(b + i, g, s, w, 1);                                             \
                 a0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + 32 * g), a0);                \
                 a1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 32 * g + 16), a1);           \
             }                                                                                \
         }                                                                                    \
         return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                                  \
     }                                                                                        \
-    T512 static void z_deq_##name(const void *src, float *dst, int64_t n) {                     \
+    T512 static void z_deq_##name(const void *src, float *dst, int64_t n) {                   \
         const blk *b = src;                                                                  \
+        float s[16];                                                                         \
         for (int64_t i = 0; i < n / (qk); i++) {                                             \
+            lm_scales_##name(b + i, s);                                                          \
             for (int g = 0; g < (qk) / 32; g++) {                                            \
                 __m512 w[2];                                                                 \
-                z_dec_##name(b + i, g, w);                                                     \
+                z_dec_##name(b + i, g, s, w, 0);                                             \
                 _mm512_storeu_ps(dst + i * (qk) + 32 * g, w[0]);                             \
                 _mm512_storeu_ps(dst + i * (qk) + 32 * g + 16, w[1]);                        \
             }                                                                                \
@@ -203,8 +219,8 @@ T512 static inline __m512 z_load_f32(const uint8_t *p) {
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                           \
         int64_t i = 0;                                                                       \
         for (; i + 32 <= n; i += 32) {                                                       \
-            a0 = _mm512_fmadd_ps(load_##name(p + (esize) * i), _mm512_loadu_ps(x + i), a0);  \
-            a1 = _mm512_fmadd_ps(load_##name(p + (esize) * (i + 16)),                        \
+            a0 = _mm512_fmadd_ps(z_load_##name(p + (esize) * i), _mm512_loadu_ps(x + i), a0);  \
+            a1 = _mm512_fmadd_ps(z_load_##name(p + (esize) * (i + 16)),                        \
                                  _mm512_loadu_ps(x + i + 16), a1);                           \
         }                                                                                    \
         float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                               \
@@ -219,7 +235,7 @@ T512 static inline __m512 z_load_f32(const uint8_t *p) {
         const uint8_t *p = src;                                                              \
         int64_t i = 0;                                                                       \
         for (; i + 16 <= n; i += 16) {                                                       \
-            _mm512_storeu_ps(dst + i, load_##name(p + (esize) * i));                         \
+            _mm512_storeu_ps(dst + i, z_load_##name(p + (esize) * i));                         \
         }                                                                                    \
         for (; i < n; i++) {                                                                 \
             float v;                                                                         \
@@ -358,6 +374,8 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->scale_f32 = z_vscale_f32;
 }
 #undef T512
+#undef AFFINE
+#undef AFFINE_SUB
 #undef Z_MR
 #undef Z_NR
 #undef DEF_BLOCK_KERNELS

@@ -77,7 +77,7 @@ static void p_deq_f32(const void *src, float *dst, int64_t n) {
 static void p_deq_f16(const void *src, float *dst, int64_t n) {
     const uint8_t *p = src;
     for (int64_t i = 0; i < n; i++) {
-        dst[i] = lm_half_to_float(lm_load_half(p + 2 * i));
+        dst[i] = lm_f16(p + 2 * i);
     }
 }
 
@@ -89,7 +89,7 @@ static void p_deq_bf16(const void *src, float *dst, int64_t n) {
 }
 
 static void p_deq_block_q4_0(const block_q4_0 *b, float *y) {
-    const float d = lm_half_to_float(b->d);
+    const float d = lm_f16(&b->d);
     for (int j = 0; j < QK / 2; j++) {
         y[j] = (float)((b->qs[j] & 0xF) - 8) * d;
         y[j + QK / 2] = (float)((b->qs[j] >> 4) - 8) * d;
@@ -97,8 +97,8 @@ static void p_deq_block_q4_0(const block_q4_0 *b, float *y) {
 }
 
 static void p_deq_block_q4_1(const block_q4_1 *b, float *y) {
-    const float d = lm_half_to_float(b->d);
-    const float m = lm_half_to_float(b->m);
+    const float d = lm_f16(&b->d);
+    const float m = lm_f16(&b->m);
     for (int j = 0; j < QK / 2; j++) {
         y[j] = (float)(b->qs[j] & 0xF) * d + m;
         y[j + QK / 2] = (float)(b->qs[j] >> 4) * d + m;
@@ -106,7 +106,7 @@ static void p_deq_block_q4_1(const block_q4_1 *b, float *y) {
 }
 
 static void p_deq_block_q5_0(const block_q5_0 *b, float *y) {
-    const float d = lm_half_to_float(b->d);
+    const float d = lm_f16(&b->d);
     uint32_t qh;
     memcpy(&qh, b->qh, sizeof qh);
     for (int j = 0; j < QK / 2; j++) {
@@ -118,8 +118,8 @@ static void p_deq_block_q5_0(const block_q5_0 *b, float *y) {
 }
 
 static void p_deq_block_q5_1(const block_q5_1 *b, float *y) {
-    const float d = lm_half_to_float(b->d);
-    const float m = lm_half_to_float(b->m);
+    const float d = lm_f16(&b->d);
+    const float m = lm_f16(&b->m);
     uint32_t qh;
     memcpy(&qh, b->qh, sizeof qh);
     for (int j = 0; j < QK / 2; j++) {
@@ -131,15 +131,15 @@ static void p_deq_block_q5_1(const block_q5_1 *b, float *y) {
 }
 
 static void p_deq_block_q8_0(const block_q8_0 *b, float *y) {
-    const float d = lm_half_to_float(b->d);
+    const float d = lm_f16(&b->d);
     for (int j = 0; j < QK; j++) {
         y[j] = (float)b->qs[j] * d;
     }
 }
 
 static void p_deq_block_q4_K(const block_q4_K *b, float *y) {
-    const float d = lm_half_to_float(b->d);
-    const float dmin = lm_half_to_float(b->dmin);
+    const float d = lm_f16(&b->d);
+    const float dmin = lm_f16(&b->dmin);
     const uint8_t *q = b->qs;
     for (int j = 0; j < 4; j++) {
         uint8_t sc, m;
@@ -157,8 +157,8 @@ static void p_deq_block_q4_K(const block_q4_K *b, float *y) {
 }
 
 static void p_deq_block_q5_K(const block_q5_K *b, float *y) {
-    const float d = lm_half_to_float(b->d);
-    const float dmin = lm_half_to_float(b->dmin);
+    const float d = lm_f16(&b->d);
+    const float dmin = lm_f16(&b->dmin);
     const uint8_t *ql = b->qs;
     for (int j = 0; j < 4; j++) {
         uint8_t sc, m;
@@ -178,7 +178,7 @@ static void p_deq_block_q5_K(const block_q5_K *b, float *y) {
 }
 
 static void p_deq_block_q6_K(const block_q6_K *b, float *y) {
-    const float d = lm_half_to_float(b->d);
+    const float d = lm_f16(&b->d);
     const uint8_t *ql = b->ql;
     const uint8_t *qh = b->qh;
     const int8_t *sc = b->scales;

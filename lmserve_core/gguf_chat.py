@@ -1,0 +1,497 @@
+"""The generic GGUF chat path: a Backend built from a family's forward pass.
+
+Tokenizer and chat template come from the GGUF metadata; the family supplies the forward
+pass and its conventions. Per request: render and tokenize the prompt, adopt a KV slot
+(reusing the longest shared token prefix), prefill the rest in chunks, then decode one
+token at a time — sample, stop on end-of-generation tokens, stop strings, a finished
+grammar or the token budget — streaming whole-code-point text as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from .backend import Capabilities, ServerSettings
+from .chat_template import ChatTemplate
+from .errors import InvalidRequest, LmserveError, Unsupported
+from .events import (
+    ErrorEvent,
+    EventSink,
+    Finish,
+    FinishReason,
+    ReasoningDelta,
+    TextDelta,
+    Usage,
+)
+from .gguf_file import GGUFFile
+from .kv_slots import KVSlot, SlotPool
+from .model import FamilyConventions, ForwardModel, KVCache
+from .reasoning import ThinkRouter
+from .request import Constraint, Message, NormalizedRequest, Tool
+from .sampling import Sampler, resolve
+from .stops import StopScanner
+from .tokenizer import Tokenizer
+
+log = structlog.get_logger("lmserve.gguf_chat")
+
+PREFILL_CHUNK = 512
+_PREPARED_MAX = 64  # renderings kept between validate and generate
+
+# JSON output in one fixed, readable layout: free whitespace lets small models pad forever.
+_JSON_OPTIONS: Any = {  # llguidance's JsonCompileOptions
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """What validate worked out for one request, handed on to generate."""
+
+    request: NormalizedRequest
+    tokens: list[int]
+    max_tokens: int
+    think_inside: bool  # the prompt itself opened a think block
+    matcher: Any = None  # llguidance.LLMatcher, fresh
+
+
+class GGUFChatBackend:
+    """A :class:`~lmserve_core.backend.Backend` over a GGUF file and a ``ForwardModel``."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        gguf: GGUFFile,
+        model: ForwardModel,
+        conventions: FamilyConventions,
+        settings: ServerSettings,
+        model_id: str | None = None,
+    ) -> None:
+        self.name = name
+        self.gguf = gguf
+        self.model = model
+        self.conventions = conventions
+        self.settings = settings
+        self.model_id = model_id or Path(gguf.path).stem
+        self.capabilities: Capabilities = conventions.capabilities
+        self.context_length = int(settings.ctx)
+        if self.context_length < 2:
+            raise ValueError(f"the context must hold at least 2 tokens, got {self.context_length}")
+        n_ctx_train = int(getattr(model, "n_ctx_train", 0) or 0)
+        if n_ctx_train and self.context_length > n_ctx_train:
+            log.warning(
+                "context_exceeds_training",
+                ctx=self.context_length,
+                n_ctx_train=n_ctx_train,
+                model=self.model_id,
+            )
+
+        self.tokenizer = Tokenizer.from_gguf(gguf)
+        self.template = ChatTemplate.from_gguf(
+            gguf, self.tokenizer, fallback=conventions.fallback_template
+        )
+        # Logit rows past the tokenizer's vocabulary are padding: never sample them.
+        self.vocab_size = min(int(model.n_vocab), self.tokenizer.vocab_size)
+        stop_ids = set(self.tokenizer.eog_ids)
+        for text in conventions.extra_stop_tokens:
+            tid = self.tokenizer.token_id(text)
+            if tid is None:
+                log.warning("unknown_stop_token", token=text, model=self.model_id)
+            else:
+                stop_ids.add(tid)
+        self.stop_ids: frozenset[int] = frozenset(stop_ids)
+
+        self.slots: SlotPool[KVCache] = SlotPool(
+            max(1, int(settings.kv_slots)),
+            lambda: self.model.new_cache(self.context_length),
+            self.model.copy_rows,
+        )
+        self._prepared: OrderedDict[str, _Prepared] = OrderedDict()
+        self._prepared_lock = threading.Lock()
+        self._grammar_tokenizer: Any = None
+        self._grammar_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ Backend protocol
+
+    def validate(self, request: NormalizedRequest) -> None:
+        """Render and tokenize the prompt, check it fits, compile any grammar."""
+        prepared = self._prepare(request)
+        with self._prepared_lock:
+            self._prepared[request.id] = prepared
+            self._prepared.move_to_end(request.id)
+            while len(self._prepared) > _PREPARED_MAX:
+                self._prepared.popitem(last=False)
+
+    def generate(self, request: NormalizedRequest, sink: EventSink) -> Finish:
+        """Generate the reply, streaming events into ``sink``; never raises."""
+        usage = Usage()
+        try:
+            return self._generate(request, sink, usage)
+        except LmserveError as exc:
+            sink.emit(ErrorEvent(exc.message, exc.status, exc.kind))
+        except Exception as exc:  # one bad request must not take the worker down
+            log.exception("generate_failed", id=request.id, model=self.model_id)
+            sink.emit(ErrorEvent(f"generation failed: {exc}", 500, "server_error"))
+        return Finish("error", usage)
+
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text``."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        self._check_ids(ids)
+        return self.tokenizer.decode(ids)
+
+    def token_piece(self, token_id: int) -> bytes:
+        """The raw bytes of one token."""
+        self._check_ids([token_id])
+        return self.tokenizer.token_bytes(token_id)
+
+    def close(self) -> None:
+        """Free the caches and the model."""
+        for slot in self.slots.slots:
+            if slot.allocated:
+                _close(slot.cache)
+        self.slots.clear()
+        _close(self.model)
+        _close(self.gguf)
+
+    # ------------------------------------------------------------------ prompt
+
+    def _prepare(self, request: NormalizedRequest) -> _Prepared:
+        think_inside = False
+        if request.prompt is not None:
+            param = "prompt"
+            # Raw completions: BOS per the vocabulary, special-token text parsed like
+            # llama-server does.
+            tokens = self.tokenizer.encode(request.prompt, add_special=True, parse_special=True)
+        else:
+            param = "messages"
+            text = self._render(request)
+            tokens = self.tokenizer.encode(text, add_special=True, parse_special=True)
+            bos = self.tokenizer.bos_id
+            # Templates that write BOS themselves would otherwise get a second one.
+            if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+                del tokens[0]
+            markers = self.conventions.think
+            think_inside = (
+                markers is not None
+                and request.constraint is None
+                and text.rstrip().endswith(markers.open)
+            )
+        n = len(tokens)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", param=param)
+        if n >= self.context_length:
+            raise InvalidRequest(
+                f"prompt is {n} tokens; the context is {self.context_length}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        max_tokens = max(0, min(int(request.max_tokens), self.context_length - n))
+        matcher = None
+        if request.constraint is not None:
+            if not self.capabilities.grammar:
+                raise Unsupported(
+                    f"backend {self.name!r} does not do constrained decoding",
+                    param="response_format",
+                )
+            matcher = self._matcher(request.constraint)
+        return _Prepared(request, tokens, max_tokens, think_inside, matcher)
+
+    def _render(self, request: NormalizedRequest) -> str:
+        kwargs: dict[str, Any] = {}
+        if self.conventions.think is not None:
+            # The Qwen3 switch; templates without it ignore the variable.
+            kwargs["enable_thinking"] = bool(request.reasoning) and request.constraint is None
+        kwargs.update(request.template_kwargs)
+        tools = [_tool_dict(t) for t in request.tools] or None
+        return self.template.render(
+            [_message_dict(m) for m in request.messages],
+            tools=tools,
+            add_generation_prompt=True,
+            **kwargs,
+        )
+
+    def _take_prepared(self, request: NormalizedRequest) -> _Prepared:
+        with self._prepared_lock:
+            prepared = self._prepared.pop(request.id, None)
+        if prepared is None or prepared.request is not request:
+            prepared = self._prepare(request)
+        return prepared
+
+    # ------------------------------------------------------------------ constraints
+
+    def _matcher(self, constraint: Constraint) -> Any:
+        try:
+            import llguidance
+        except ImportError:
+            raise Unsupported(
+                "constrained decoding needs the llguidance package (pip install "
+                "'lmserve-core[grammar]')",
+                param="response_format",
+            ) from None
+        M = llguidance.LLMatcher
+        try:
+            if constraint.kind == "json_schema":
+                # Non-strict schemas promise no enforcement: tolerate keywords llguidance
+                # does not implement instead of refusing the request.
+                grammar = M.grammar_from_json_schema(
+                    constraint.source or "{}",
+                    defaults=_JSON_OPTIONS,
+                    overrides={"lenient": not constraint.strict},
+                )
+            elif constraint.kind == "json_object":
+                grammar = M.grammar_from_json_schema(
+                    json.dumps({"type": "object"}), defaults=_JSON_OPTIONS
+                )
+            elif constraint.kind == "regex":
+                grammar = M.grammar_from_regex(constraint.source)
+            elif constraint.kind == "lark":
+                grammar = M.grammar_from_lark(constraint.source)
+            else:
+                raise Unsupported(f"unknown constraint kind {constraint.kind!r}")
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"invalid {constraint.kind} constraint: {exc}", code="invalid_grammar"
+            ) from None
+        matcher = M(self._ll_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(
+                f"invalid {constraint.kind} constraint: {matcher.get_error()}",
+                code="invalid_grammar",
+            )
+        return matcher
+
+    def _ll_tokenizer(self) -> Any:
+        # Walking the vocabulary takes a while on large vocabularies: once per backend.
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                import llguidance
+
+                self._grammar_tokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_GrammarVocabulary(self.tokenizer)),
+                    eos_token=sorted(self.stop_ids),
+                )
+            return self._grammar_tokenizer
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, request: NormalizedRequest, sink: EventSink, usage: Usage) -> Finish:
+        prepared = self._take_prepared(request)
+        prompt = prepared.tokens
+        usage.prompt_tokens = len(prompt)
+        if sink.cancelled:
+            return Finish("cancelled", usage)
+
+        slot, n_reuse = self.slots.adopt(prompt)
+        usage.cached_tokens = n_reuse
+        logits = self._prefill(slot, prompt, n_reuse, sink)
+        if logits is None:
+            return Finish("cancelled", usage)
+        return self._decode(request, prepared, slot, logits, sink, usage)
+
+    def _prefill(
+        self, slot: KVSlot[KVCache], prompt: Sequence[int], start: int, sink: EventSink
+    ) -> np.ndarray | None:
+        cache = slot.cache
+        logits: np.ndarray | None = None
+        pos = start
+        while pos < len(prompt):
+            if sink.cancelled:
+                return None
+            chunk = prompt[pos : pos + PREFILL_CHUNK]
+            logits = self.model.forward(cache, chunk, pos)
+            slot.tokens.extend(chunk)  # only rows the model has written join the shadow
+            pos += len(chunk)
+        return logits
+
+    def _decode(
+        self,
+        request: NormalizedRequest,
+        prepared: _Prepared,
+        slot: KVSlot[KVCache],
+        logits: np.ndarray,
+        sink: EventSink,
+        usage: Usage,
+    ) -> Finish:
+        model, cache = self.model, slot.cache
+        vocab = self.vocab_size
+        stop_ids = self.stop_ids
+        sampler = Sampler(
+            resolve(request.sampling, self.conventions.sampling, seed=self.settings.seed), vocab
+        )
+        decoder = self.tokenizer.stream_decoder(skip_special=True)
+        emitter = _Emitter(
+            sink,
+            StopScanner(request.stop),
+            self._router(request, prepared),
+        )
+        matcher = prepared.matcher
+        bits: np.ndarray | None = None
+        if matcher is not None:
+            n_words = (self._ll_tokenizer().vocab_size + 31) // 32
+            bits = np.empty(n_words, dtype=np.int32)
+
+        generated: list[int] = []
+        pos = len(slot.tokens)
+        reason: FinishReason = "length"
+        budget = prepared.max_tokens
+        while len(generated) < budget:
+            if sink.cancelled:
+                reason = "cancelled"
+                break
+            mask = None
+            if matcher is not None:
+                assert bits is not None
+                matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+                mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].view(bool)
+                if not mask.any():
+                    reason = "stop"  # the grammar allows nothing more (it is complete)
+                    break
+            tok = sampler.sample(logits, generated, mask)
+            generated.append(tok)
+            if tok in stop_ids:
+                reason = "stop"
+                break
+            if emitter.push(decoder.push(tok)):
+                reason = "stop_sequence"
+                break
+            if matcher is not None:
+                if not matcher.consume_token(tok):
+                    raise RuntimeError(f"grammar rejected token {tok}: {matcher.get_error()}")
+                if matcher.is_stopped():
+                    reason = "stop"
+                    break
+            if len(generated) >= budget:
+                break
+            logits = model.forward(cache, [tok], pos)
+            slot.tokens.append(tok)
+            pos += 1
+
+        if reason != "stop_sequence":
+            emitter.push(decoder.flush())
+        emitter.finish()
+        usage.completion_tokens = len(generated)
+        usage.reasoning_tokens = emitter.reasoning_tokens
+        if reason == "stop_sequence":
+            return Finish("stop_sequence", usage, stop_sequence=emitter.scanner.fired)
+        return Finish(reason, usage)
+
+    def _router(self, request: NormalizedRequest, prepared: _Prepared) -> ThinkRouter | None:
+        markers = self.conventions.think
+        if markers is None or request.constraint is not None or request.prompt is not None:
+            return None
+        return ThinkRouter(markers, inside=prepared.think_inside)
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        n = self.tokenizer.vocab_size
+        for tid in ids:
+            if not 0 <= int(tid) < n:
+                raise InvalidRequest(f"token id {tid} is outside the vocabulary [0, {n})")
+
+
+class _Emitter:
+    """Text of the reply on its way out: stop strings, then reasoning routing, then events."""
+
+    __slots__ = ("reasoning_tokens", "router", "scanner", "sink")
+
+    def __init__(self, sink: EventSink, scanner: StopScanner, router: ThinkRouter | None) -> None:
+        self.sink = sink
+        self.scanner = scanner
+        self.router = router
+        self.reasoning_tokens = 0
+
+    def push(self, text: str) -> bool:
+        """Send ``text`` on; True when a stop string fired."""
+        if self.router is not None and self.router.in_reasoning:
+            self.reasoning_tokens += 1
+        if not text:
+            return False
+        out, fired = self.scanner.feed(text)
+        self._route(out)
+        return fired is not None
+
+    def finish(self) -> None:
+        self._route(self.scanner.flush())
+        if self.router is not None:
+            reasoning, reply = self.router.flush()
+            self._send(reasoning, reply)
+
+    def _route(self, text: str) -> None:
+        if not text:
+            return
+        if self.router is None:
+            self.sink.emit(TextDelta(text))
+        else:
+            self._send(*self.router.feed(text))
+
+    def _send(self, reasoning: str, reply: str) -> None:
+        if reasoning:
+            self.sink.emit(ReasoningDelta(reasoning))
+        if reply:
+            self.sink.emit(TextDelta(reply))
+
+
+class _GrammarVocabulary:
+    """The vocabulary as llguidance's ``TokenizerWrapper`` reads it."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        n = tokenizer.vocab_size
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = [tokenizer.token_bytes(i) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            raise TypeError("text, not bytes")  # tells the wrapper to hand over str
+        return self._tokenizer.encode(text, add_special=False)
+
+
+def _message_dict(m: Message) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    if m.reasoning is not None:
+        d["reasoning_content"] = m.reasoning
+    return d
+
+
+def _tool_dict(t: Tool) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+    }
+
+
+def _close(obj: object) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()

@@ -1,0 +1,488 @@
+"""The generic GGUF chat path, on the real SmolLM2 tokenizer and template.
+
+A fake forward pass (numpy) spells out scripted replies so every decode-loop behaviour can
+be checked exactly; one test at the end runs the real SmolLM2 model when its plugin is built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from models import smollm2_path
+
+from lmserve_core import gguf_chat
+from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings, ThinkMarkers
+from lmserve_core.errors import InvalidRequest, Unsupported
+from lmserve_core.events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta
+from lmserve_core.gguf_chat import GGUFChatBackend
+from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.model import FamilyConventions
+from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
+from lmserve_core.tokenizer import Tokenizer
+
+GREEDY = Sampling(temperature=0.0)
+IM_START, IM_END = 1, 2  # SmolLM2's ChatML control tokens
+
+
+class FakeCache:
+    def __init__(self, n_ctx: int) -> None:
+        self.n_ctx = n_ctx
+        self.rows = np.full(n_ctx, -1, dtype=np.int64)  # the token each K/V row was made from
+
+
+class ScriptedModel:
+    """Replies with ``script`` (token ids), counted from the last ``<|im_start|>assistant\\n``;
+    past the script, pseudo-random logits that depend only on the position."""
+
+    n_ctx_train = 8192
+
+    def __init__(self, n_vocab: int, script: Sequence[int] = ()) -> None:
+        self.n_vocab = n_vocab
+        self.script = list(script)
+        self.forward_calls: list[tuple[int, int]] = []  # (pos, n_tokens)
+        self.copies: list[int] = []
+
+    def new_cache(self, n_ctx: int) -> FakeCache:
+        return FakeCache(n_ctx)
+
+    def forward(
+        self, cache: FakeCache, tokens: Sequence[int], pos: int, *, all_logits: bool = False
+    ) -> np.ndarray:
+        assert not all_logits
+        assert len(tokens) > 0 and pos + len(tokens) <= cache.n_ctx
+        # every row below pos must hold a prefix computed earlier (reuse/copy correctness)
+        assert (cache.rows[:pos] >= 0).all(), "forward over a hole in the cache"
+        cache.rows[pos : pos + len(tokens)] = tokens
+        self.forward_calls.append((pos, len(tokens)))
+        seq = cache.rows[: pos + len(tokens)]
+        starts = np.flatnonzero(seq == IM_START)
+        i = len(seq) - (int(starts[-1]) + 4) if starts.size else len(seq)
+        if 0 <= i < len(self.script):
+            logits = np.zeros(self.n_vocab, dtype=np.float32)
+            logits[self.script[i]] = 10.0
+            return logits
+        return np.random.default_rng(len(seq)).standard_normal(self.n_vocab).astype(np.float32)
+
+    def copy_rows(self, src: FakeCache, dst: FakeCache, n: int) -> None:
+        self.copies.append(n)
+        dst.rows[:n] = src.rows[:n]
+
+
+class ListSink:
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.events: list[Event] = []
+        self.cancel_after = cancel_after
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event)
+
+    @property
+    def cancelled(self) -> bool:
+        n = sum(isinstance(e, TextDelta) for e in self.events)
+        return self.cancel_after is not None and n >= self.cancel_after
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TextDelta))
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, ReasoningDelta))
+
+
+@pytest.fixture(scope="module")
+def gguf() -> GGUFFile:
+    return GGUFFile.open(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf: GGUFFile) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf)
+
+
+@pytest.fixture(autouse=True)
+def _one_tokenizer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Building the vocabulary takes a moment; every fake backend can share one.
+    if "gguf" in request.fixturenames:
+        shared = request.getfixturevalue("tokenizer")
+        monkeypatch.setattr(gguf_chat.Tokenizer, "from_gguf", classmethod(lambda cls, g: shared))
+
+
+def make_backend(
+    gguf: GGUFFile, script: Sequence[int] = (), *, ctx: int = 2048, slots: int = 1, **conv: Any
+) -> GGUFChatBackend:
+    conventions = FamilyConventions(
+        capabilities=Capabilities(grammar=True),
+        sampling=SamplingDefaults(),
+        **conv,
+    )
+    model = ScriptedModel(49152, script)
+    return GGUFChatBackend(
+        name="fake",
+        gguf=gguf,
+        model=model,  # type: ignore[arg-type]
+        conventions=conventions,
+        settings=ServerSettings(ctx=ctx, kv_slots=slots),
+    )
+
+
+def ids(backend: GGUFChatBackend, text: str) -> list[int]:
+    return backend.tokenize(text, parse_special=True)
+
+
+def chat(*turns: str, **kw: Any) -> NormalizedRequest:
+    roles = ["user", "assistant"]
+    messages = [Message(role=roles[i % 2], content=t) for i, t in enumerate(turns)]  # type: ignore[arg-type]
+    kw.setdefault("sampling", GREEDY)
+    return NormalizedRequest(
+        id=f"req-{len(turns)}-{id(kw)}", dialect="chat", messages=messages, **kw
+    )
+
+
+def run(backend: GGUFChatBackend, request: NormalizedRequest, sink: ListSink | None = None):  # type: ignore[no-untyped-def]
+    sink = sink or ListSink()
+    backend.validate(request)
+    finish = backend.generate(request, sink)
+    assert isinstance(finish, Finish)
+    assert not any(isinstance(e, (Finish, ErrorEvent)) for e in sink.events), sink.events
+    return finish, sink
+
+
+def check_shadow(backend: GGUFChatBackend) -> None:
+    for slot in backend.slots.slots:
+        if slot.allocated:
+            rows = slot.cache.rows[: len(slot.tokens)]  # type: ignore[attr-defined]
+            assert rows.tolist() == slot.tokens
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_eog_token_stops_with_usage(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "Hello world.") + [IM_END])
+    finish, sink = run(backend, chat("hi"))
+    assert sink.text == "Hello world."
+    assert finish.reason == "stop"
+    prompt = backend._prepare(chat("hi")).tokens
+    assert finish.usage.prompt_tokens == len(prompt)
+    assert finish.usage.completion_tokens == 4  # 3 text tokens + <|im_end|>
+    assert finish.usage.cached_tokens == 0
+    assert backend.model_id == "SmolLM2-135M-Instruct.Q4_1"
+    check_shadow(backend)
+
+
+def test_max_tokens_gives_length(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "Hello world. END here") + [IM_END])
+    finish, sink = run(backend, chat("hi", max_tokens=2))
+    assert sink.text == "Hello world"
+    assert finish.reason == "length" and finish.usage.completion_tokens == 2
+    check_shadow(backend)
+
+
+def test_budget_is_clamped_to_the_context(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf, ctx=64)
+    request = chat("hi", max_tokens=1000)
+    n_prompt = len(backend._prepare(request).tokens)
+    finish, _ = run(backend, request)
+    assert finish.reason == "length"
+    assert finish.usage.completion_tokens == 64 - n_prompt
+
+
+def test_context_overflow_is_a_400(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf, ctx=32)
+    request = chat("word " * 200)
+    with pytest.raises(InvalidRequest) as err:
+        backend.validate(request)
+    assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+    assert re.fullmatch(r"prompt is \d+ tokens; the context is 32", err.value.message)
+
+
+def test_stop_string_across_token_boundaries(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "Hello world. END here") + [IM_END])
+    finish, sink = run(backend, chat("hi", stop=["ld. EN", "zzz"]))
+    assert sink.text == "Hello wor"
+    assert finish.reason == "stop_sequence" and finish.stop_sequence == "ld. EN"
+    # nothing after the stop, and no delta ever carried part of it
+    assert all("l" not in e.text for e in sink.events[1:] if isinstance(e, TextDelta))
+
+
+def test_stop_string_never_matching_releases_held_text(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "Hello world.") + [IM_END])
+    finish, sink = run(backend, chat("hi", stop=["world!"]))
+    assert sink.text == "Hello world." and finish.reason == "stop"
+
+
+def test_utf8_split_over_byte_tokens_arrives_whole(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "ok 🙂 日本語")
+    assert len(script) > 6  # multibyte characters really are split across tokens
+    backend = make_backend(gguf, script + [IM_END])
+    finish, sink = run(backend, chat("hi"))
+    deltas = [e.text for e in sink.events if isinstance(e, TextDelta)]
+    assert "".join(deltas) == "ok 🙂 日本語"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_cancellation_stops_at_the_next_token(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "one two three four five six") + [IM_END])
+    finish, sink = run(backend, chat("hi"), ListSink(cancel_after=2))
+    assert finish.reason == "cancelled"
+    assert sink.text == "one two"
+    assert finish.usage.completion_tokens == 2
+    check_shadow(backend)
+
+
+def test_errors_become_an_error_event(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf)
+
+    def broken(*args: Any, **kw: Any) -> np.ndarray:
+        raise RuntimeError("kernel failure")
+
+    backend.model.forward = broken  # type: ignore[method-assign]
+    sink = ListSink()
+    request = chat("hi")
+    backend.validate(request)
+    finish = backend.generate(request, sink)
+    assert finish.reason == "error"
+    assert isinstance(sink.events[-1], ErrorEvent) and "kernel failure" in sink.events[-1].message
+
+
+# ---------------------------------------------------------------------------- reasoning
+
+
+def test_think_head_is_routed_to_reasoning(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "<think>\nLet me count.\n</think>\n\nFour.") + [IM_END]
+    backend = make_backend(gguf, script, think=ThinkMarkers())
+    finish, sink = run(backend, chat("2+2?", reasoning=True))
+    assert sink.reasoning == "Let me count."
+    assert sink.text == "Four."
+    assert finish.reason == "stop" and finish.usage.reasoning_tokens > 0
+    first_text = next(i for i, e in enumerate(sink.events) if isinstance(e, TextDelta))
+    assert all(isinstance(e, ReasoningDelta) for e in sink.events[:first_text])
+
+
+def test_stray_leading_close_is_dropped(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "</think>\n\nFour.") + [IM_END]
+    backend = make_backend(gguf, script, think=ThinkMarkers())
+    _, sink = run(backend, chat("2+2?"))
+    assert sink.text == "Four." and sink.reasoning == ""
+
+
+def test_no_routing_without_think_markers(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "<think>x</think>y") + [IM_END]
+    _, sink = run(make_backend(gguf, script), chat("q", reasoning=True))
+    assert sink.text == "<think>x</think>y"
+
+
+# ---------------------------------------------------------------------------- KV slots
+
+
+def test_follow_up_turn_reuses_the_slot(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    reply = "Hello there!"
+    backend = make_backend(gguf, ids(b0, reply) + [IM_END])
+    first, _ = run(backend, chat("hi"))
+    assert first.usage.cached_tokens == 0
+    n_first = first.usage.prompt_tokens
+    n_calls = len(backend.model.forward_calls)  # type: ignore[attr-defined]
+    second, sink = run(backend, chat("hi", reply, "and more?"))
+    assert sink.text == reply
+    # the whole first prompt plus the reply's rows are reused
+    assert second.usage.cached_tokens >= n_first + len(ids(b0, reply)) - 1
+    prefilled = second.usage.prompt_tokens - second.usage.cached_tokens
+    # one prefill call for the new tokens only, then one call per generated token
+    calls = backend.model.forward_calls[n_calls:]  # type: ignore[attr-defined]
+    assert calls[0] == (second.usage.cached_tokens, prefilled)
+    assert all(n == 1 for _, n in calls[1:])
+    check_shadow(backend)
+
+
+def test_shared_prefix_copies_rows_between_slots(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "Sure.") + [IM_END], slots=2)
+    system = Message(role="system", content="You are a terse assistant. " * 20)
+    a = NormalizedRequest(
+        id="a",
+        dialect="chat",
+        messages=[system, Message(role="user", content="one")],
+        sampling=GREEDY,
+    )
+    b = NormalizedRequest(
+        id="b",
+        dialect="chat",
+        messages=[system, Message(role="user", content="two")],
+        sampling=GREEDY,
+    )
+    run(backend, a)
+    finish, _ = run(backend, b)
+    assert finish.usage.cached_tokens > 100
+    assert backend.model.copies == [finish.usage.cached_tokens]  # type: ignore[attr-defined]
+    check_shadow(backend)
+
+
+def test_identical_request_reuses_all_but_one_token(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "Yes.") + [IM_END])
+    first, s1 = run(backend, chat("hi"))
+    second, s2 = run(backend, chat("hi"))
+    assert second.usage.cached_tokens == first.usage.prompt_tokens - 1
+    assert s1.text == s2.text == "Yes."
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+def test_raw_completion_prompt(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf)
+    request = NormalizedRequest(
+        id="c", dialect="completions", prompt="Once upon a time", max_tokens=5, sampling=GREEDY
+    )
+    finish, sink = run(backend, request)
+    assert finish.usage.prompt_tokens == len(ids(b0, "Once upon a time"))
+    assert finish.usage.completion_tokens >= 1
+    empty = NormalizedRequest(id="e", dialect="completions", prompt="")
+    with pytest.raises(InvalidRequest):
+        backend.validate(empty)
+
+
+def test_tokenize_detokenize_piece(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf)
+    toks = backend.tokenize("Hello world")
+    assert backend.detokenize(toks) == "Hello world"
+    assert backend.token_piece(toks[1]) == b" world"
+    with pytest.raises(InvalidRequest):
+        backend.detokenize([10**9])
+
+
+# ---------------------------------------------------------------------------- constraints
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_constraint_yields_matching_json(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    # no script: the fake's logits are noise, only the grammar keeps the output valid
+    backend = make_backend(gguf)
+    request = chat(
+        "json please",
+        max_tokens=200,
+        constraint=Constraint(kind="json_schema", source=json.dumps(SCHEMA)),
+    )
+    finish, sink = run(backend, request)
+    assert finish.reason == "stop"
+    value = json.loads(sink.text)
+    assert set(value) == {"n", "ok"}
+    assert isinstance(value["n"], int) and isinstance(value["ok"], bool)
+
+
+def test_json_object_and_regex_constraints(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    backend = make_backend(gguf)
+    finish, sink = run(
+        backend, chat("x", max_tokens=300, constraint=Constraint(kind="json_object", source=""))
+    )
+    if finish.reason == "stop":
+        assert isinstance(json.loads(sink.text), dict)
+    else:  # noise may write a long object; what there is must still start like one
+        assert sink.text.startswith("{")
+    finish, sink = run(
+        backend,
+        chat("x", max_tokens=50, constraint=Constraint(kind="regex", source=r"[a-c]{3}-[0-9]{2}")),
+    )
+    assert finish.reason == "stop"
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", sink.text)
+
+
+def test_invalid_grammar_is_a_400_from_validate(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    backend = make_backend(gguf)
+    for kind, source in [("regex", "a(b"), ("lark", "start: nothing_here"), ("json_schema", "[1")]:
+        with pytest.raises(InvalidRequest) as err:
+            backend.validate(chat("x", constraint=Constraint(kind=kind, source=source)))  # type: ignore[arg-type]
+        assert err.value.status == 400
+
+
+def test_constraint_with_scripted_reply_stops_when_grammar_completes(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    b0 = make_backend(gguf)
+    # the model would go on after "yes"; the grammar ends the turn there
+    backend = make_backend(gguf, ids(b0, "yes and more text"))
+    finish, sink = run(
+        backend, chat("x", max_tokens=20, constraint=Constraint(kind="regex", source="yes|no"))
+    )
+    assert sink.text == "yes" and finish.reason == "stop"
+
+
+# ---------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_chat_and_reuse() -> None:
+    llama = pytest.importorskip("lmserve_llama.plugin")
+    gguf_file = GGUFFile.open(smollm2_path())
+    settings = ServerSettings(ctx=512, kv_slots=1, threads=2)
+    backend = llama.create_backend(str(gguf_file.path), settings)
+    try:
+        request = chat("What is the capital of France?", max_tokens=24)
+        first, s1 = run(backend, request)
+        assert s1.text.strip()
+        assert first.reason in ("stop", "length")
+        assert first.usage.prompt_tokens > 10 and 0 < first.usage.completion_tokens <= 24
+        second, s2 = run(backend, chat("What is the capital of France?", max_tokens=24))
+        assert second.usage.cached_tokens > 0
+        assert s2.text == s1.text
+    finally:
+        backend.close()
+
+
+# ---------------------------------------------------------------------------- odds and ends
+
+
+def test_prompt_is_rendered_once_per_request(
+    gguf: GGUFFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = make_backend(gguf, [IM_END])
+    calls = []
+    real = backend.template.render
+
+    def counting(*args: Any, **kw: Any) -> str:
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(backend.template, "render", counting)
+    run(backend, chat("hi"))
+    assert len(calls) == 1
+
+
+def test_seeded_sampling_is_reproducible(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf)  # noise logits: the draw decides everything
+    seeded = Sampling(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, seed=7)
+    _, a = run(backend, chat("hi", max_tokens=8, sampling=seeded))
+    _, b = run(backend, chat("hi", max_tokens=8, sampling=seeded))
+    assert a.text == b.text
+
+
+def test_constraint_without_grammar_capability_is_a_501(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf)
+    backend.capabilities = Capabilities(grammar=False)
+    with pytest.raises(Unsupported):
+        backend.validate(chat("x", constraint=Constraint(kind="regex", source="a")))
