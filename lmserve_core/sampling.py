@@ -93,22 +93,6 @@ class Sampler:
             self._counts[tok] += 1.0
         self._n_counted = len(recent)
 
-    def _apply_penalties(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
-        r = self.resolved
-        out = np.array(logits, dtype=np.float32, copy=True)
-        if self._penalize_recent and recent:
-            window = np.unique(np.asarray(recent[-REPEAT_LAST_N:], dtype=np.int64))
-            vals = out[window]
-            out[window] = np.where(vals <= 0.0, vals * r.repeat_penalty, vals / r.repeat_penalty)
-        if self._penalize_counts:
-            self._sync_counts(recent)
-            if self._seen:
-                assert self._counts is not None
-                ids = np.asarray(self._seen, dtype=np.int64)
-                counts = self._counts[ids]
-                out[ids] -= counts * r.frequency_penalty + r.presence_penalty
-        return out
-
     # ------------------------------------------------------------------ sampling
 
     def sample(
@@ -120,11 +104,37 @@ class Sampler:
         vocabulary are ignored). ``recent``: the tokens generated so far, oldest first (the
         same growing list across calls). ``mask``: booleans, True where a token is allowed.
         """
-        r = self.resolved
         vals = logits[: self.vocab_size]
-        if (self._penalize_recent and recent) or self._penalize_counts:
-            vals = self._apply_penalties(vals, recent)
+        window = recent[-REPEAT_LAST_N:] if self._penalize_recent else ()
+        if not window and not self._penalize_counts:
+            return self._sample(vals, mask)
+        if not vals.flags.writeable:
+            vals = vals.copy()
+        # Patch the few penalised rows in place and restore them afterwards: copying a
+        # 262k-entry vocabulary per token would cost more than all the penalties together.
+        patches: list[tuple[np.ndarray, np.ndarray]] = []
+        try:
+            r = self.resolved
+            if window:
+                ids = np.fromiter(set(window), dtype=np.int64)
+                old = vals[ids]
+                patches.append((ids, old))
+                vals[ids] = np.where(old <= 0.0, old * r.repeat_penalty, old / r.repeat_penalty)
+            if self._penalize_counts:
+                self._sync_counts(recent)
+                if self._seen:
+                    assert self._counts is not None
+                    ids = np.asarray(self._seen, dtype=np.int64)
+                    old = vals[ids]
+                    patches.append((ids, old))
+                    vals[ids] = old - (self._counts[ids] * r.frequency_penalty + r.presence_penalty)
+            return self._sample(vals, mask)
+        finally:
+            for ids, old in reversed(patches):
+                vals[ids] = old
 
+    def _sample(self, vals: np.ndarray, mask: np.ndarray | None) -> int:
+        r = self.resolved
         ids: np.ndarray | None = None  # None: the candidates are the whole vocabulary
         if mask is not None:
             ids, vals = _apply_mask(vals, mask[: self.vocab_size])

@@ -90,7 +90,7 @@ def test_responses_stream_final_response(oai) -> None:
 
 
 def test_messages_stream_final_message(ant) -> None:
-    with ant.messages.stream(model="claude-x", max_tokens=16, temperature=0,
+    with ant.messages.stream(model="claude-x", max_tokens=16, extra_body={"temperature": 0},
                              messages=QUESTION) as stream:
         message = stream.get_final_message()
     assert "Paris" in message.content[0].text

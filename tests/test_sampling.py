@@ -147,3 +147,15 @@ def test_large_vocab_paths_agree_with_small_ones() -> None:
     s = Sampler(rs(top_k=0, min_p=0.0, top_p=1e-6), logits.size)
     assert s.sample(logits) == best
     assert math.isfinite(float(logits[Sampler(rs(top_k=40), logits.size).sample(logits)]))
+
+
+def test_penalties_leave_the_callers_logits_unchanged() -> None:
+    logits = np.array([3.0, 2.0, -1.0, 0.5], dtype=np.float32)
+    before = logits.copy()
+    sampler = Sampler(rs(repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2), 4)
+    sampler.sample(logits, [0, 2, 2])
+    assert np.array_equal(logits, before)
+    frozen = before.copy()
+    frozen.flags.writeable = False
+    greedy = Sampler(rs(temperature=0.0, presence_penalty=5.0), 4)
+    assert greedy.sample(frozen, [0]) == 1

@@ -106,7 +106,8 @@ def row_bytes(qtype: int, n: int) -> int:
     """Bytes of an ``n``-element row of ``qtype``; ValueError if n is not whole blocks."""
     size = int(lib.lm_row_bytes(_type_id(qtype), int(n)))
     if size < 0:
-        raise KernelValueError(f"{n} elements is not a whole number of {qtype!r} blocks")
+        name = QuantType(int(qtype)).name
+        raise KernelValueError(f"{n} elements is not a whole number of {name} blocks")
     return size
 
 

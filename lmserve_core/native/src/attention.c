@@ -17,15 +17,15 @@ typedef struct {
     float *scores; /* nth x n_ctx */
 } attn_ctx;
 
-static void attn_task(void *arg, int ith, int nth) {
+static void attn_task(void *arg, int task, int n_tasks, int thread) {
     const attn_ctx *c = arg;
     const lm_kernels *k = c->k;
     const int hd = c->head_dim;
     const int group = c->n_head / c->n_kv_head;
     const int64_t kv_stride = (int64_t)c->n_kv_head * hd;
-    float *sc = c->scores + (size_t)ith * (size_t)c->n_ctx;
+    float *sc = c->scores + (size_t)thread * (size_t)c->n_ctx;
     const int64_t items = c->ntok * c->n_head;
-    const int64_t i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
+    const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
     for (int64_t it = i0; it < i1; it++) {
         const int64_t t = it / c->n_head;
         const int h = (int)(it % c->n_head);
@@ -88,21 +88,23 @@ int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, 
         .scale = scale,
         .softcap = softcap,
     };
-    const int acquired = lm_pool_acquire(pool);
-    const int nth = acquired ? lm_pool_size(pool) : 1;
+    lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
+    const int nth = lm_pool_size(acq);
     const size_t bytes = (size_t)nth * (size_t)c.n_ctx * sizeof(float);
-    c.scores = acquired ? lm_pool_scratch(pool, bytes) : lm_aligned_alloc(bytes);
+    c.scores = acq != NULL ? lm_pool_scratch(acq, bytes) : lm_aligned_alloc(bytes);
     if (c.scores == NULL) {
-        if (acquired) {
-            lm_pool_release(pool);
+        if (acq != NULL) {
+            lm_pool_release(acq);
         }
         return LM_ENOMEM;
     }
-    if (acquired) {
-        lm_pool_run_acquired(pool, attn_task, &c);
-        lm_pool_release(pool);
+    if (acq != NULL) {
+        const int64_t items = ntok * n_head;
+        const int64_t n_tasks = items < 8 * nth ? items : 8 * nth;
+        lm_pool_run_tasks(acq, attn_task, &c, (int)n_tasks);
+        lm_pool_release(acq);
     } else {
-        attn_task(&c, 0, 1);
+        attn_task(&c, 0, 1, 0);
         lm_aligned_free(c.scores);
     }
     return LM_OK;

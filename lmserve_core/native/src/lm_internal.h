@@ -201,12 +201,16 @@ static inline void lm_scales_q6_K(const block_q6_K *b, float *s) {
 typedef void (*lm_dequant_fn)(const void *src, float *dst, int64_t n);
 /* dot(row, x) over n elements; n is a multiple of the type's block. */
 typedef float (*lm_dot_fn)(const void *row, const float *x, int64_t n);
+/* out[t * ldo] = dot(row, x + t * ldx) for t < nt (1..8): each block decoded once. */
+typedef void (*lm_dotn_fn)(const void *row, const float *x, int64_t ldx, int64_t n, int nt,
+                           float *out, int64_t ldo);
 /* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */
 typedef void (*lm_gemm_fn)(const float *a, const float *b, int64_t k, float *c);
 
 typedef struct {
     lm_dequant_fn dequant[LM_NTYPES];
     lm_dot_fn dot[LM_NTYPES];
+    lm_dotn_fn dotn[LM_NTYPES]; /* NULL: one dot per token */
     lm_gemm_fn gemm;
     int mr; /* weight rows per GEMM tile */
     int nr; /* tokens per GEMM tile */
@@ -228,8 +232,11 @@ const lm_kernels *lm_kernels_active(void);
 /* Try to take exclusive use of the pool (its workers and scratch). 1 on success. */
 int lm_pool_acquire(lm_pool *pool);
 void lm_pool_release(lm_pool *pool);
-/* Run on an acquired pool. */
-void lm_pool_run_acquired(lm_pool *pool, lm_task_fn fn, void *ctx);
+/* A job of n_tasks tasks: fn(ctx, task, n_tasks, thread) runs once per task, on whichever
+ * thread claims it; thread (< lm_pool_size) indexes per-thread scratch. */
+typedef void (*lm_job_fn)(void *ctx, int task, int n_tasks, int thread);
+/* Run a job on an acquired pool (n_tasks <= 65535) and return when every task is done. */
+void lm_pool_run_tasks(lm_pool *pool, lm_job_fn fn, void *ctx, int n_tasks);
 /* Scratch memory owned by an acquired pool, 64-byte aligned, valid until release. */
 void *lm_pool_scratch(lm_pool *pool, size_t bytes);
 

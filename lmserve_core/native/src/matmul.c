@@ -12,8 +12,9 @@
 
 #include "lm_internal.h"
 
-/* Below this many tokens the fused per-row dot product wins over decode + GEMM. */
-#define GEMM_MIN_TOKENS 4
+/* Below this many tokens the fused per-row dot products (each block decoded once for up to
+ * 8 tokens) beat decode + pack + GEMM. */
+#define GEMM_MIN_TOKENS 32
 
 typedef struct {
     const lm_kernels *k;
@@ -28,33 +29,70 @@ typedef struct {
     size_t per_thread; /* bytes of scratch per thread */
 } mm_ctx;
 
-static inline void split(int64_t n, int ith, int nth, int64_t *lo, int64_t *hi) {
-    *lo = n * ith / nth;
-    *hi = n * (ith + 1) / nth;
+static inline void split(int64_t n, int task, int n_tasks, int64_t *lo, int64_t *hi) {
+    *lo = n * task / n_tasks;
+    *hi = n * (task + 1) / n_tasks;
+}
+
+/* Run a job on the acquired pool, or inline when there is none. */
+static void run_job(lm_pool *acquired, lm_job_fn fn, void *ctx, int64_t n_tasks) {
+    if (n_tasks > 0xFFFF) {
+        n_tasks = 0xFFFF;
+    }
+    if (acquired != NULL) {
+        lm_pool_run_tasks(acquired, fn, ctx, (int)n_tasks);
+    } else {
+        for (int t = 0; t < n_tasks; t++) {
+            fn(ctx, t, (int)n_tasks, 0);
+        }
+    }
+}
+
+static int64_t min64(int64_t a, int64_t b) {
+    return a < b ? a : b;
 }
 
 /* ------------------------------------------------------------------ decode path */
-static void mm_dot_task(void *arg, int ith, int nth) {
+static void mm_dot_task(void *arg, int task, int n_tasks, int thread) {
+    (void)thread;
     const mm_ctx *c = arg;
     lm_dot_fn dot = c->k->dot[c->type];
+    lm_dotn_fn dotn = c->k->dotn[c->type];
     int64_t r0, r1;
-    split(c->rows, ith, nth, &r0, &r1);
+    split(c->rows, task, n_tasks, &r0, &r1);
+    /* software prefetch ~2 KiB ahead: one thread's stream alone does not keep enough
+     * reads in flight to approach the memory bandwidth */
+    const int64_t rb = c->row_bytes;
+    const int64_t ahead = rb >= 2048 ? rb : 2048 - 2048 % rb + rb;
+    const uint8_t *end = c->w + r1 * rb;
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = c->w + r * c->row_bytes;
-        for (int64_t t = 0; t < c->ntok; t++) {
-            c->y[t * c->rows + r] = dot(row, c->x + t * c->cols, c->cols);
+        const uint8_t *row = c->w + r * rb;
+        for (const uint8_t *p = row + ahead; p < row + ahead + rb && p < end; p += 64) {
+            __builtin_prefetch(p, 0, 3);
+        }
+        if (c->ntok == 1 || dotn == NULL) {
+            for (int64_t t = 0; t < c->ntok; t++) {
+                c->y[t * c->rows + r] = dot(row, c->x + t * c->cols, c->cols);
+            }
+        } else {
+            for (int64_t t = 0; t < c->ntok; t += 8) {
+                const int nt = (int)(c->ntok - t < 8 ? c->ntok - t : 8);
+                dotn(row, c->x + t * c->cols, c->cols, c->cols, nt, c->y + t * c->rows + r,
+                     c->rows);
+            }
         }
     }
 }
 
 /* ------------------------------------------------------------------ GEMM path */
-static void mm_pack_x_task(void *arg, int ith, int nth) {
+static void mm_pack_x_task(void *arg, int task, int n_tasks, int thread) {
+    (void)thread;
     const mm_ctx *c = arg;
     const int nr = c->k->nr;
     const int64_t K = c->cols;
     const int64_t npanels = (c->ntok + nr - 1) / nr;
     int64_t p0, p1;
-    split(npanels, ith, nth, &p0, &p1);
+    split(npanels, task, n_tasks, &p0, &p1);
     for (int64_t p = p0; p < p1; p++) {
         float *dst = c->xpack + p * K * nr;
         for (int t = 0; t < nr; t++) {
@@ -73,18 +111,18 @@ static void mm_pack_x_task(void *arg, int ith, int nth) {
     }
 }
 
-static void mm_gemm_task(void *arg, int ith, int nth) {
+static void mm_gemm_task(void *arg, int task, int n_tasks, int thread) {
     const mm_ctx *c = arg;
     const lm_kernels *k = c->k;
     const int mr = k->mr, nr = k->nr;
     const int64_t K = c->cols;
-    float *apanel = (float *)(c->scratch + (size_t)ith * c->per_thread);
+    float *apanel = (float *)(c->scratch + (size_t)thread * c->per_thread);
     float *rowbuf = apanel + (size_t)mr * K;
     float *cbuf = rowbuf + K; /* nr x mr tile */
     const int64_t nrp = (c->rows + mr - 1) / mr;
     const int64_t ntp = (c->ntok + nr - 1) / nr;
     int64_t p0, p1;
-    split(nrp, ith, nth, &p0, &p1);
+    split(nrp, task, n_tasks, &p0, &p1);
     for (int64_t rp = p0; rp < p1; rp++) {
         const int64_t r0 = rp * mr;
         const int nrows = (int)(c->rows - r0 < mr ? c->rows - r0 : mr);
@@ -146,41 +184,40 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
         .x = x,
         .y = y,
     };
-    const int acquired = lm_pool_acquire(pool);
-    const int nth = acquired ? lm_pool_size(pool) : 1;
+    lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
+    const int nth = lm_pool_size(acq);
 
     if (ntok < GEMM_MIN_TOKENS) {
-        if (acquired) {
-            lm_pool_run_acquired(pool, mm_dot_task, &c);
-            lm_pool_release(pool);
-        } else {
-            mm_dot_task(&c, 0, 1);
+        /* a few row chunks per thread balance the load when a thread runs late */
+        run_job(acq, mm_dot_task, &c, nth == 1 ? 1 : min64((rows + 15) / 16, 8 * nth));
+        if (acq != NULL) {
+            lm_pool_release(acq);
         }
         return LM_OK;
     }
 
     const int mr = c.k->mr, nr = c.k->nr;
-    const size_t xbytes = align64((size_t)((ntok + nr - 1) / nr) * (size_t)nr *
-                                  (size_t)cols * sizeof(float));
+    const int64_t n_xpanels = (ntok + nr - 1) / nr;
+    const size_t xbytes =
+        align64((size_t)n_xpanels * (size_t)nr * (size_t)cols * sizeof(float));
     c.per_thread = align64(((size_t)mr * (size_t)cols + (size_t)cols + (size_t)mr * nr) *
                            sizeof(float));
     const size_t total = xbytes + c.per_thread * (size_t)nth;
-    uint8_t *mem = acquired ? lm_pool_scratch(pool, total) : lm_aligned_alloc(total);
+    uint8_t *mem = acq != NULL ? lm_pool_scratch(acq, total) : lm_aligned_alloc(total);
     if (mem == NULL) {
-        if (acquired) {
-            lm_pool_release(pool);
+        if (acq != NULL) {
+            lm_pool_release(acq);
         }
         return LM_ENOMEM;
     }
     c.xpack = (float *)mem;
     c.scratch = mem + xbytes;
-    if (acquired) {
-        lm_pool_run_acquired(pool, mm_pack_x_task, &c);
-        lm_pool_run_acquired(pool, mm_gemm_task, &c);
-        lm_pool_release(pool);
+    run_job(acq, mm_pack_x_task, &c, nth == 1 ? 1 : min64(n_xpanels, 4 * nth));
+    /* one task per panel of weight rows */
+    run_job(acq, mm_gemm_task, &c, nth == 1 ? 1 : (rows + mr - 1) / mr);
+    if (acq != NULL) {
+        lm_pool_release(acq);
     } else {
-        mm_pack_x_task(&c, 0, 1);
-        mm_gemm_task(&c, 0, 1);
         lm_aligned_free(mem);
     }
     return LM_OK;

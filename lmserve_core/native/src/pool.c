@@ -1,8 +1,13 @@
 /*
- * Persistent thread pool. A dispatch bumps a generation counter; workers spin on it for
- * ~150 us (a forward pass dispatches hundreds of ops per token, so wake-up must take
- * microseconds), then sleep on a futex (condition variable off Linux) so an idle server
- * does not burn cores. The caller is thread 0.
+ * Persistent thread pool. A dispatch publishes a job of n tasks and bumps a generation
+ * counter; workers spin on it for ~150 us (a forward pass dispatches hundreds of jobs per
+ * token, so wake-up must take microseconds), then sleep on a futex (condition variable off
+ * Linux) so an idle server does not burn cores. The caller is thread 0 and runs task 0.
+ *
+ * Tasks are claimed from one atomic word (generation | n | next index), so a worker that the
+ * OS has descheduled never holds up a job: whoever is running claims the remaining tasks.
+ * Claiming with the generation in the word also means a late worker cannot run a task of a
+ * job that has already finished.
  */
 #include <errno.h>
 #include <limits.h>
@@ -20,18 +25,20 @@
 
 #include "lm_internal.h"
 
-#define SPIN_NS 150000 /* how long an idle worker spins before it sleeps */
+#define SPIN_NS 150000   /* how long an idle worker spins before it sleeps */
+#define MAX_TASKS 0xFFFF /* tasks per job (16 bits of the claim word) */
 
 struct lm_pool {
     int n; /* threads including the caller */
     pthread_t *threads;
     struct worker *workers;
-    _Atomic uint32_t gen; /* futex word: bumped once per dispatch */
-    _Atomic int pending;  /* workers still running the current task */
-    _Atomic int sleepers; /* workers blocked (or about to block) on gen */
+    _Atomic uint32_t gen;   /* futex word: bumped once per job */
+    _Atomic uint64_t claim; /* gen << 32 | n_tasks << 16 | next task */
+    _Atomic int done;       /* tasks finished in the current job */
+    _Atomic int sleepers;   /* workers blocked (or about to block) on gen */
     _Atomic int stop;
     _Atomic int busy; /* one dispatcher at a time; others run inline */
-    lm_task_fn fn;
+    lm_job_fn fn;
     void *ctx;
     void *scratch;
     size_t scratch_size;
@@ -97,15 +104,34 @@ static void wake_all(lm_pool *p) {
 #endif
 }
 
+/* Claim and run tasks of the job published in `claim` until none is left; returns the
+ * generation it worked on. */
+static uint32_t run_claimed(lm_pool *p, int thread) {
+    uint64_t c = atomic_load_explicit(&p->claim, memory_order_acquire);
+    for (;;) {
+        const int n = (int)((c >> 16) & MAX_TASKS);
+        const int task = (int)(c & MAX_TASKS);
+        if (task >= n) {
+            return (uint32_t)(c >> 32);
+        }
+        if (atomic_compare_exchange_weak_explicit(&p->claim, &c, c + 1, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            /* fn and ctx belong to this generation: the job cannot finish before our task */
+            p->fn(p->ctx, task, n, thread);
+            atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+            c = atomic_load_explicit(&p->claim, memory_order_acquire);
+        }
+    }
+}
+
 static void *worker_main(void *arg) {
     struct worker *w = arg;
     lm_pool *p = w->pool;
     uint32_t seen = 0;
     for (;;) {
-        uint32_t g;
         int64_t t0 = now_ns();
         unsigned spins = 0;
-        while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
+        while (atomic_load_explicit(&p->gen, memory_order_acquire) == seen) {
             cpu_relax();
             if ((++spins & 127u) == 0 && now_ns() - t0 > SPIN_NS) {
                 /* sleepers++ before re-reading gen pairs with the dispatcher's gen++
@@ -118,12 +144,10 @@ static void *worker_main(void *arg) {
                 t0 = now_ns();
             }
         }
-        seen = g;
         if (atomic_load_explicit(&p->stop, memory_order_acquire)) {
             return NULL;
         }
-        p->fn(p->ctx, w->ith, p->n);
-        atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
+        seen = run_claimed(p, w->ith);
     }
 }
 
@@ -214,28 +238,53 @@ void *lm_pool_scratch(lm_pool *pool, size_t bytes) {
     return pool->scratch;
 }
 
-void lm_pool_run_acquired(lm_pool *pool, lm_task_fn fn, void *ctx) {
-    if (pool->n <= 1) {
-        fn(ctx, 0, 1);
+void lm_pool_run_tasks(lm_pool *pool, lm_job_fn fn, void *ctx, int n_tasks) {
+    if (n_tasks <= 0) {
+        return;
+    }
+    if (n_tasks > MAX_TASKS) {
+        n_tasks = MAX_TASKS;
+    }
+    if (pool->n <= 1 || n_tasks == 1) {
+        for (int t = 0; t < n_tasks; t++) {
+            fn(ctx, t, n_tasks, 0);
+        }
         return;
     }
     pool->fn = fn;
     pool->ctx = ctx;
-    atomic_store_explicit(&pool->pending, pool->n - 1, memory_order_relaxed);
-    atomic_fetch_add(&pool->gen, 1);
+    atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
+    const uint32_t gen = atomic_load_explicit(&pool->gen, memory_order_relaxed) + 1;
+    /* task 0 is the caller's: publish the job with next = 1 */
+    atomic_store(&pool->claim, (uint64_t)gen << 32 | (uint64_t)n_tasks << 16 | 1u);
+    atomic_store(&pool->gen, gen);
     if (atomic_load(&pool->sleepers) > 0) {
         wake_all(pool);
     }
-    fn(ctx, 0, pool->n);
+    fn(ctx, 0, n_tasks, 0);
+    atomic_fetch_add_explicit(&pool->done, 1, memory_order_relaxed);
+    run_claimed(pool, 0);
     unsigned spins = 0;
-    while (atomic_load_explicit(&pool->pending, memory_order_acquire) > 0) {
-        /* a worker may have been descheduled: stop hogging the core after a while */
-        if (++spins < 20000) {
+    while (atomic_load_explicit(&pool->done, memory_order_acquire) < n_tasks) {
+        /* a claimed task is running on a worker; yield if that takes long (the worker
+         * may have been descheduled and need this core) */
+        if (++spins < 4096) {
             cpu_relax();
         } else {
             sched_yield();
         }
     }
+}
+
+struct run_adapter {
+    lm_task_fn fn;
+    void *ctx;
+};
+
+static void run_adapter_fn(void *arg, int task, int n_tasks, int thread) {
+    (void)thread;
+    const struct run_adapter *a = arg;
+    a->fn(a->ctx, task, n_tasks);
 }
 
 void lm_pool_run(lm_pool *pool, lm_task_fn fn, void *ctx) {
@@ -247,8 +296,10 @@ void lm_pool_run(lm_pool *pool, lm_task_fn fn, void *ctx) {
         fn(ctx, 0, 1);
         return;
     }
-    lm_pool_run_acquired(pool, fn, ctx);
+    struct run_adapter a = {fn, ctx};
+    lm_pool_run_tasks(pool, run_adapter_fn, &a, pool->n);
     lm_pool_release(pool);
 }
 
 #undef SPIN_NS
+#undef MAX_TASKS

@@ -232,6 +232,51 @@ T256 static inline float y_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Several tokens per decoded block, NT <= 8: one accumulator per token (16 registers). */
+#define DEF_MULTI_KERNELS(name, blk, qk)                                                       \
+    T256 static inline __attribute__((always_inline)) void y_dotn_body_##name(              \
+        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,      \
+        int64_t ldo) {                                                                       \
+        __m256 acc[8];                                                                       \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+            acc[t] = _mm256_setzero_ps();                                                    \
+        }                                                                                    \
+        float s[16];                                                                         \
+        for (int64_t i = 0; i < n / (qk); i++) {                                             \
+            lm_scales_##name(b + i, s);                                                      \
+            for (int g = 0; g < (qk) / 32; g++) {                                            \
+                __m256 w[4];                                                                 \
+                y_dec_##name(b + i, g, s, w, 1);                                             \
+                const float *xb = x + i * (qk) + 32 * g;                                     \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
+                    const float *xt = xb + t * ldx;                                          \
+                    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));                     \
+                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);                   \
+                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);                  \
+                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);                  \
+                    acc[t] = _mm256_add_ps(acc[t], p);                                       \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+            out[t * ldo] = y_hsum(acc[t]);                                                   \
+        }                                                                                    \
+    }                                                                                        \
+    T256 static void y_dotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,   \
+                                   int nt, float *out, int64_t ldo) {                        \
+        const blk *b = row;                                                                  \
+        switch (nt) {                                                                        \
+        case 1: y_dotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                        \
+        case 2: y_dotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                        \
+        case 3: y_dotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                        \
+        case 4: y_dotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                        \
+        case 5: y_dotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                        \
+        case 6: y_dotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                        \
+        case 7: y_dotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                        \
+        default: y_dotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                       \
+        }                                                                                    \
+    }
+
 DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
 DEF_BLOCK_KERNELS(q4_1, block_q4_1, QK)
 DEF_BLOCK_KERNELS(q5_0, block_q5_0, QK)
@@ -240,6 +285,14 @@ DEF_BLOCK_KERNELS(q8_0, block_q8_0, QK)
 DEF_BLOCK_KERNELS(q4_K, block_q4_K, QKK)
 DEF_BLOCK_KERNELS(q5_K, block_q5_K, QKK)
 DEF_BLOCK_KERNELS(q6_K, block_q6_K, QKK)
+DEF_MULTI_KERNELS(q4_0, block_q4_0, QK)
+DEF_MULTI_KERNELS(q4_1, block_q4_1, QK)
+DEF_MULTI_KERNELS(q5_0, block_q5_0, QK)
+DEF_MULTI_KERNELS(q5_1, block_q5_1, QK)
+DEF_MULTI_KERNELS(q8_0, block_q8_0, QK)
+DEF_MULTI_KERNELS(q4_K, block_q4_K, QKK)
+DEF_MULTI_KERNELS(q5_K, block_q5_K, QKK)
+DEF_MULTI_KERNELS(q6_K, block_q6_K, QKK)
 
 /* ------------------------------------------------------------------ element types */
 T256 static inline __m256 y_load_f16(const uint8_t *p) {
@@ -389,6 +442,14 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->dot[LM_Q4_K] = y_dot_q4_K;
     k->dot[LM_Q5_K] = y_dot_q5_K;
     k->dot[LM_Q6_K] = y_dot_q6_K;
+    k->dotn[LM_Q4_0] = y_dotn_q4_0;
+    k->dotn[LM_Q4_1] = y_dotn_q4_1;
+    k->dotn[LM_Q5_0] = y_dotn_q5_0;
+    k->dotn[LM_Q5_1] = y_dotn_q5_1;
+    k->dotn[LM_Q8_0] = y_dotn_q8_0;
+    k->dotn[LM_Q4_K] = y_dotn_q4_K;
+    k->dotn[LM_Q5_K] = y_dotn_q5_K;
+    k->dotn[LM_Q6_K] = y_dotn_q6_K;
     k->gemm = y_gemm_16x6;
     k->mr = Y_MR;
     k->nr = Y_NR;
@@ -402,6 +463,7 @@ void lm_kernels_avx2(lm_kernels *k) {
 #undef AFFINE_SUB
 #undef DEF_BLOCK_KERNELS
 #undef DEF_ELEM_KERNELS
+#undef DEF_MULTI_KERNELS
 #undef Y_MR
 #undef Y_NR
 #endif /* LM_HAVE_X86 */

@@ -190,6 +190,49 @@ T512 static inline void z_dec_q6_K(const block_q6_K *b, int g, const float *s, _
         }                                                                                    \
     }
 
+/* Several tokens per decoded block: two accumulators per token (latency), NT <= 8. */
+#define DEF_MULTI_KERNELS(name, blk, qk)                                                       \
+    T512 static inline __attribute__((always_inline)) void z_dotn_body_##name(              \
+        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,      \
+        int64_t ldo) {                                                                       \
+        __m512 acc[8][2];                                                                    \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+            acc[t][0] = _mm512_setzero_ps();                                                 \
+            acc[t][1] = _mm512_setzero_ps();                                                 \
+        }                                                                                    \
+        float s[16];                                                                         \
+        for (int64_t i = 0; i < n / (qk); i++) {                                             \
+            lm_scales_##name(b + i, s);                                                      \
+            for (int g = 0; g < (qk) / 32; g++) {                                            \
+                __m512 w[2];                                                                 \
+                z_dec_##name(b + i, g, s, w, 1);                                             \
+                const float *xb = x + i * (qk) + 32 * g;                                     \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
+                    acc[t][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + t * ldx), acc[t][0]); \
+                    acc[t][1] =                                                              \
+                        _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + t * ldx + 16), acc[t][1]); \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
+            out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));        \
+        }                                                                                    \
+    }                                                                                        \
+    T512 static void z_dotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,   \
+                                   int nt, float *out, int64_t ldo) {                        \
+        const blk *b = row;                                                                  \
+        switch (nt) {                                                                        \
+        case 1: z_dotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                        \
+        case 2: z_dotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                        \
+        case 3: z_dotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                        \
+        case 4: z_dotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                        \
+        case 5: z_dotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                        \
+        case 6: z_dotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                        \
+        case 7: z_dotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                        \
+        default: z_dotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                       \
+        }                                                                                    \
+    }
+
 DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
 DEF_BLOCK_KERNELS(q4_1, block_q4_1, QK)
 DEF_BLOCK_KERNELS(q5_0, block_q5_0, QK)
@@ -198,6 +241,14 @@ DEF_BLOCK_KERNELS(q8_0, block_q8_0, QK)
 DEF_BLOCK_KERNELS(q4_K, block_q4_K, QKK)
 DEF_BLOCK_KERNELS(q5_K, block_q5_K, QKK)
 DEF_BLOCK_KERNELS(q6_K, block_q6_K, QKK)
+DEF_MULTI_KERNELS(q4_0, block_q4_0, QK)
+DEF_MULTI_KERNELS(q4_1, block_q4_1, QK)
+DEF_MULTI_KERNELS(q5_0, block_q5_0, QK)
+DEF_MULTI_KERNELS(q5_1, block_q5_1, QK)
+DEF_MULTI_KERNELS(q8_0, block_q8_0, QK)
+DEF_MULTI_KERNELS(q4_K, block_q4_K, QKK)
+DEF_MULTI_KERNELS(q5_K, block_q5_K, QKK)
+DEF_MULTI_KERNELS(q6_K, block_q6_K, QKK)
 
 /* ------------------------------------------------------------------ element types */
 T512 static inline __m512 z_load_f16(const uint8_t *p) {
@@ -366,6 +417,14 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->dot[LM_Q4_K] = z_dot_q4_K;
     k->dot[LM_Q5_K] = z_dot_q5_K;
     k->dot[LM_Q6_K] = z_dot_q6_K;
+    k->dotn[LM_Q4_0] = z_dotn_q4_0;
+    k->dotn[LM_Q4_1] = z_dotn_q4_1;
+    k->dotn[LM_Q5_0] = z_dotn_q5_0;
+    k->dotn[LM_Q5_1] = z_dotn_q5_1;
+    k->dotn[LM_Q8_0] = z_dotn_q8_0;
+    k->dotn[LM_Q4_K] = z_dotn_q4_K;
+    k->dotn[LM_Q5_K] = z_dotn_q5_K;
+    k->dotn[LM_Q6_K] = z_dotn_q6_K;
     k->gemm = z_gemm_32x12;
     k->mr = Z_MR;
     k->nr = Z_NR;
@@ -380,4 +439,5 @@ void lm_kernels_avx512(lm_kernels *k) {
 #undef Z_NR
 #undef DEF_BLOCK_KERNELS
 #undef DEF_ELEM_KERNELS
+#undef DEF_MULTI_KERNELS
 #endif /* LM_HAVE_X86 */

@@ -279,7 +279,7 @@ static int forward_chunk(llama_model *m, llama_cache *cache, const int32_t *toke
             (rc = lm_matmul(pool, L->w_up.type, L->w_up.data, FF, D, m->xb, ntok, m->hb2)))
             return rc;
         silu_task st = {m->hb, m->hb2, ntok * FF};
-        lm_pool_run(pool, silu_run, &st);
+        lm_pool_run(ntok > 1 ? pool : NULL, silu_run, &st);
         if ((rc = lm_matmul(pool, L->w_down.type, L->w_down.data, D, FF, m->hb, ntok, m->xb)))
             return rc;
         lm_add(m->x, m->x, m->xb, ntok * D);

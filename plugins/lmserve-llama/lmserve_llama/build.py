@@ -25,14 +25,19 @@ def _cdef(header_path: str) -> str:
     return text[begin:end]
 
 
-# The kernels' sources, include dir and flags, plus this family's own source.
+# The kernels compile into this module's own translation unit (embed_source), beside the
+# family's forward pass; setuptools wants the extension's sources relative to setup.py.
 _kwargs = native.build_kwargs()
-_kwargs["sources"] = [os.path.join(_CSRC, "llama_forward.c"), *_kwargs["sources"]]
 _kwargs["include_dirs"] = [*_kwargs["include_dirs"], _CSRC]
 
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef(_HEADER))
-ffibuilder.set_source("lmserve_llama._forward", '#include "llama_forward.h"', **_kwargs)
+ffibuilder.set_source(
+    "lmserve_llama._forward",
+    native.embed_source() + '#include "llama_forward.h"\n',
+    sources=[os.path.relpath(os.path.join(_CSRC, "llama_forward.c"))],
+    **_kwargs,
+)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -58,6 +58,8 @@ class LlamaCache:
     def __init__(self, model: LlamaModel, n_ctx: int) -> None:
         if not isinstance(n_ctx, int) or n_ctx <= 0:
             raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if model._ptr is None:
+            raise RuntimeError("the model is closed")
         out = ffi.new("llama_cache **")
         _check(lib.llama_cache_build(model._ptr, n_ctx, out), "llama_cache_build")
         cfg = model.config
@@ -153,9 +155,7 @@ class LlamaModel:
         if n == 0:
             raise ValueError("forward needs at least one token")
         if pos < 0 or pos + n > cache.n_ctx:
-            raise ValueError(
-                f"positions {pos}..{pos + n - 1} do not fit a cache of {cache.n_ctx}"
-            )
+            raise ValueError(f"positions {pos}..{pos + n - 1} do not fit a cache of {cache.n_ctx}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.n_vocab:
             raise ValueError(f"token id outside [0, {self.n_vocab})")
         ids32 = np.ascontiguousarray(ids, dtype=np.int32)

@@ -18,9 +18,7 @@ CAPABILITIES = Capabilities(
     grammar=True, reasoning=False, tool_style="none", stop_strings=True, system_role=True
 )
 # llama.cpp's defaults: the llama family carries no recommended sampling of its own.
-SAMPLING = SamplingDefaults(
-    temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0
-)
+SAMPLING = SamplingDefaults(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
 
 
 def default_model() -> str | None:

@@ -24,11 +24,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lmserve_core.gguf_file import GGUFFile  # noqa: E402
-from lmserve_core.tokenizer import Tokenizer  # noqa: E402
-
 from lmserve_llama.model import LlamaModel  # noqa: E402
 from lmserve_llama.plugin import default_model  # noqa: E402
+
+from lmserve_core.gguf_file import GGUFFile  # noqa: E402
+from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -50,7 +50,7 @@ PROMPTS = [
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     "Explain in two sentences why the sky is blue, and then give one example of Rayleigh "
     "scattering that a child could observe at home.<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n"
+    'def fibonacci(n: int) -> list[int]:\n    """Return the first n Fibonacci numbers."""\n'
     "    out = [0, 1]\n    while len(out) < n:\n        out.append(out[-1] + out[-2])\n"
     "    return out[:n]\n\nprint(fibonacci(",
     "The history of the bicycle begins in the early nineteenth century, when inventors in "
@@ -157,7 +157,7 @@ def chunk_nll(logits: np.ndarray, ids: list[int], first: int) -> tuple[float, in
     scored = logits[first:-1].astype(np.float64)
     targets = np.asarray(ids[first + 1 :])
     top = scored.max(axis=1, keepdims=True)
-    log_z = (top[:, 0] + np.log(np.exp(scored - top).sum(axis=1)))
+    log_z = top[:, 0] + np.log(np.exp(scored - top).sum(axis=1))
     nll = log_z - scored[np.arange(len(targets)), targets]
     return float(nll.sum()), len(targets)
 

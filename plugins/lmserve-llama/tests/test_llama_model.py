@@ -1,0 +1,164 @@
+"""LlamaConfig, weight validation and LlamaModel on tiny written GGUFs (no torch needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from lmserve_llama.config import LlamaConfig
+from lmserve_llama.model import LlamaModel
+from tiny_llama import TinySpec, reference_forward, write_tiny_llama
+
+from lmserve_core.gguf_file import GGUFError, GGUFFile
+
+
+def open_tiny(tmp_path: Path, spec: TinySpec) -> tuple[GGUFFile, dict[str, np.ndarray]]:
+    path = tmp_path / "tiny.gguf"
+    weights = write_tiny_llama(path, spec)
+    return GGUFFile.open(path), weights
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_config_reads_llama_keys(tmp_path: Path) -> None:
+    gguf, _ = open_tiny(tmp_path, TinySpec(metadata={"some.future_key": 7}))
+    cfg = LlamaConfig.from_gguf(gguf)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_kv_head) == (2, 64, 96, 4, 2)
+    assert (cfg.head_dim, cfg.n_rot, cfg.n_vocab, cfg.n_ctx_train) == (16, 16, 128, 256)
+    assert cfg.rope_freq_base == 10000.0 and cfg.rope_freq_scale == 1.0
+    assert cfg.rms_eps == pytest.approx(1e-5)
+
+
+def test_config_defaults_for_optional_keys(tmp_path: Path) -> None:
+    spec = TinySpec(drop_metadata=("attention.head_count_kv", "rope.dimension_count",
+                                   "rope.freq_base", "vocab_size"))  # fmt: skip
+    gguf, _ = open_tiny(tmp_path, spec)
+    cfg = LlamaConfig.from_gguf(gguf)
+    assert cfg.n_kv_head == 4 and cfg.n_rot == 16 and cfg.rope_freq_base == 10000.0
+    assert cfg.n_vocab == 128  # from token_embd's rows
+
+
+def test_mistral_alias_maps_to_llama(tmp_path: Path) -> None:
+    gguf, _ = open_tiny(tmp_path, TinySpec(arch="mistral"))
+    assert LlamaConfig.from_gguf(gguf).architecture == "mistral"
+
+
+def test_linear_rope_scaling_sets_freq_scale(tmp_path: Path) -> None:
+    gguf, _ = open_tiny(tmp_path, TinySpec(rope_scaling=("linear", 4.0)))
+    assert LlamaConfig.from_gguf(gguf).rope_freq_scale == 0.25
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TinySpec(arch="gemma3"), "not served by the llama family"),
+        (TinySpec(drop_metadata=("block_count",)), "block_count"),
+        (TinySpec(rope_scaling=("yarn", 4.0)), "rope scaling 'yarn'"),
+        (TinySpec(metadata={"expert_count": 8}), "mixture-of-experts"),
+        (TinySpec(metadata={"attention.head_count_kv": 3}), "not a multiple"),
+        (TinySpec(metadata={"rope.dimension_count": 18}), "does not fit head_dim"),
+    ],
+)
+def test_config_rejects(tmp_path: Path, spec: TinySpec, message: str) -> None:
+    gguf, _ = open_tiny(tmp_path, spec)
+    with pytest.raises(GGUFError, match=message):
+        LlamaConfig.from_gguf(gguf)
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TinySpec(tensors={"blk.1.attn_k.weight": np.zeros((32, 48), np.float32)}), "shape"),
+        (TinySpec(tensors={"blk.0.ffn_norm.weight": np.ones(64, np.float16)}), "type F16"),
+        (TinySpec(drop_tensors=("blk.1.ffn_up.weight",)), "missing"),
+        (TinySpec(tensors={"blk.0.attn_q.bias": np.zeros(64, np.float32)}), "unexpected"),
+        (TinySpec(tensors={"rope_freqs.weight": np.ones(8, np.float32)}), "unexpected"),
+    ],
+)
+def test_weights_rejected_before_native_code(tmp_path: Path, spec: TinySpec, message: str) -> None:
+    gguf, _ = open_tiny(tmp_path, spec)
+    with pytest.raises(GGUFError, match=message):
+        LlamaModel.load(gguf, n_threads=1)
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TinySpec(),
+        TinySpec(tied=False, matrix_type=GGMLQuantizationType.Q4_1, seed=1),
+        TinySpec(n_rot=8, rope_scaling=("linear", 2.0), n_kv_head=1, seed=2),
+        TinySpec(matrix_type=GGMLQuantizationType.F16, n_kv_head=4, seed=3),
+    ],
+    ids=["q8_0-tied", "q4_1-untied", "partial-rope-linear-mqa", "f16-mha"],
+)
+def test_forward_matches_numpy_reference(tmp_path: Path, spec: TinySpec) -> None:
+    gguf, weights = open_tiny(tmp_path, spec)
+    model = LlamaModel.load(gguf, n_threads=2, n_batch=8)  # 8: the prompt spans 3 chunks
+    ids = list(np.random.default_rng(spec.seed).integers(0, spec.n_vocab, 20))
+    want = reference_forward(weights, spec, ids, model.config.rope_freq_scale)
+    got = model.forward(model.new_cache(32), ids, 0, all_logits=True)
+    assert got.dtype == np.float32 and got.shape == (20, spec.n_vocab)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    last = model.forward(model.new_cache(32), ids, 0)
+    assert last.shape == (spec.n_vocab,)
+    np.testing.assert_allclose(last, got[-1], rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_decode_and_copy_rows_continue_a_prefix(tmp_path: Path) -> None:
+    spec = TinySpec()
+    gguf, weights = open_tiny(tmp_path, spec)
+    model = LlamaModel.load(gguf, n_threads=2)
+    ids = [5, 17, 99, 3, 64, 1, 127, 40]
+    want = reference_forward(weights, spec, ids)
+    donor = model.new_cache(16)
+    model.forward(donor, ids[:5], 0)
+    cache = model.new_cache(12)
+    model.copy_rows(donor, cache, 5)
+    for pos in range(5, len(ids)):
+        logits = model.forward(cache, [ids[pos]], pos)
+        np.testing.assert_allclose(logits, want[pos], rtol=0, atol=2e-4 * np.abs(want).max())
+
+
+def test_forward_validates_in_python(tmp_path: Path) -> None:
+    gguf, _ = open_tiny(tmp_path, TinySpec())
+    model = LlamaModel.load(gguf, n_threads=1)
+    cache = model.new_cache(8)
+    with pytest.raises(ValueError, match="do not fit"):
+        model.forward(cache, [1, 2, 3], 6)
+    with pytest.raises(ValueError, match="token id"):
+        model.forward(cache, [1, 128], 0)
+    with pytest.raises(ValueError, match="token id"):
+        model.forward(cache, [-1], 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward(cache, [], 0)
+    with pytest.raises(ValueError, match="cannot copy"):
+        model.copy_rows(cache, model.new_cache(4), 5)
+    other = LlamaModel.load(gguf, n_threads=1)
+    with pytest.raises(ValueError, match="not made by this model"):
+        other.forward(cache, [1], 0)
+    with pytest.raises(ValueError):
+        model.new_cache(0)
+    cache.close()
+    with pytest.raises(ValueError, match="closed"):
+        model.forward(cache, [1], 0)
+
+
+def test_model_reports_its_sizes(tmp_path: Path) -> None:
+    gguf, _ = open_tiny(tmp_path, TinySpec())
+    model = LlamaModel.load(gguf, n_threads=2)
+    assert (model.n_vocab, model.n_ctx_train, model.n_threads) == (128, 256, 2)
+    cache = model.new_cache(4)
+    model.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        model.forward(cache, [1], 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        model.new_cache(4)
