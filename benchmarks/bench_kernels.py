@@ -11,6 +11,7 @@ of the model's 2-D weight matrices, as a forward pass would run them.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import time
@@ -79,15 +80,15 @@ def bench_types(types: list[K.QuantType], pool: K.Pool, ntoks: list[int]) -> Non
     rng = np.random.default_rng(0)
     print(f"{'type':6} {'rows x cols':>12} {'ntok':>5} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>7}")
     for qtype in types:
-        for rows, cols in SHAPES:
+        be = K.block_elems(qtype)
+        for rows, cols0 in SHAPES:
+            cols = -(-cols0 // be) * be  # K-quants need whole 256-element blocks: 576 -> 768
             w = random_matrix(qtype, rows, cols, rng)
             for ntok in ntoks:
                 if ntok > 64 and rows > 4096:
                     continue  # the output matrix only ever sees the last token
                 x = rng.standard_normal((ntok, cols), dtype=np.float32)
-                dt = best_time(
-                    lambda q=qtype, w=w, r=rows, c=cols, x=x: K.matmul(q, w, r, c, x, pool=pool)
-                )
+                dt = best_time(functools.partial(K.matmul, qtype, w, rows, cols, x, pool=pool))
                 gflops = 2.0 * rows * cols * ntok / dt / 1e9
                 gbs = w.nbytes / dt / 1e9
                 print(

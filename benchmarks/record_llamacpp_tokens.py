@@ -28,8 +28,8 @@ import re
 import subprocess
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "tokenizer"
 LLAMA_CPP_BUILD = "b11434"

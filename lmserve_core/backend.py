@@ -92,6 +92,9 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the model; called once at shutdown."""
 
+    # Optional: ``count_tokens(request) -> int``, the prompt's exact token count
+    # (``/v1/messages/count_tokens``); backends without it get an estimate.
+
 
 BackendFactory = Callable[[str | None, ServerSettings], Backend]
 

@@ -21,7 +21,7 @@ import numpy as np
 import structlog
 
 from .backend import Capabilities, ServerSettings
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, message_dicts, tool_dicts
 from .errors import InvalidRequest, LmserveError, Unsupported
 from .events import (
     ErrorEvent,
@@ -36,7 +36,7 @@ from .gguf_file import GGUFFile
 from .kv_slots import KVSlot, SlotPool
 from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
-from .request import Constraint, Message, NormalizedRequest, Tool
+from .request import Constraint, NormalizedRequest
 from .sampling import Sampler, resolve
 from .stops import StopScanner
 from .tokenizer import Tokenizer
@@ -172,27 +172,34 @@ class GGUFChatBackend:
 
     # ------------------------------------------------------------------ prompt
 
-    def _prepare(self, request: NormalizedRequest) -> _Prepared:
-        think_inside = False
+    def count_tokens(self, request: NormalizedRequest) -> int:
+        """Prompt tokens of ``request`` exactly as ``generate`` would feed them."""
+        return len(self._prompt_tokens(request)[0])
+
+    def _prompt_tokens(self, request: NormalizedRequest) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and the rendered chat text (None for raw prompts)."""
         if request.prompt is not None:
-            param = "prompt"
             # Raw completions: BOS per the vocabulary, special-token text parsed like
             # llama-server does.
-            tokens = self.tokenizer.encode(request.prompt, add_special=True, parse_special=True)
-        else:
-            param = "messages"
-            text = self._render(request)
-            tokens = self.tokenizer.encode(text, add_special=True, parse_special=True)
-            bos = self.tokenizer.bos_id
-            # Templates that write BOS themselves would otherwise get a second one.
-            if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
-                del tokens[0]
-            markers = self.conventions.think
-            think_inside = (
-                markers is not None
-                and request.constraint is None
-                and text.rstrip().endswith(markers.open)
-            )
+            return self.tokenizer.encode(request.prompt, add_special=True, parse_special=True), None
+        text = self._render(request)
+        tokens = self.tokenizer.encode(text, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        # Templates that write BOS themselves would otherwise get a second one.
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+            del tokens[0]
+        return tokens, text
+
+    def _prepare(self, request: NormalizedRequest) -> _Prepared:
+        tokens, text = self._prompt_tokens(request)
+        param = "prompt" if text is None else "messages"
+        markers = self.conventions.think
+        think_inside = (
+            text is not None
+            and markers is not None
+            and request.constraint is None
+            and text.rstrip().endswith(markers.open)
+        )
         n = len(tokens)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param=param)
@@ -219,9 +226,9 @@ class GGUFChatBackend:
             # The Qwen3 switch; templates without it ignore the variable.
             kwargs["enable_thinking"] = bool(request.reasoning) and request.constraint is None
         kwargs.update(request.template_kwargs)
-        tools = [_tool_dict(t) for t in request.tools] or None
+        tools = tool_dicts(request.tools) or None
         return self.template.render(
-            [_message_dict(m) for m in request.messages],
+            message_dicts(request.messages),
             tools=tools,
             add_generation_prompt=True,
             **kwargs,
@@ -462,33 +469,6 @@ class _GrammarVocabulary:
         if isinstance(text, bytes):
             raise TypeError("text, not bytes")  # tells the wrapper to hand over str
         return self._tokenizer.encode(text, add_special=False)
-
-
-def _message_dict(m: Message) -> dict[str, Any]:
-    d: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        d["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        d["name"] = m.name
-    if m.reasoning is not None:
-        d["reasoning_content"] = m.reasoning
-    return d
-
-
-def _tool_dict(t: Tool) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
-    }
 
 
 def _close(obj: object) -> None:

@@ -11,6 +11,8 @@ ranked by the score of the merged piece, which is how llama.cpp's SPM tokenizer 
 from __future__ import annotations
 
 import codecs
+import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -145,7 +147,37 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+_SURROGATES = re.compile("[\ud800-\udfff]")
 _BYTE_DECODER: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+_CACHE: dict[tuple[Any, ...], Tokenizer] = {}
+_CACHE_SIZE = 4
+
+
+class _SplitTable:
+    """Special tokens in llama.cpp's partition order, with a quick test for which occur."""
+
+    _KEY = 6
+
+    def __init__(self, entries: list[tuple[str, int]]) -> None:
+        self.entries = entries
+        # Tokens grouped by their first characters: one substring test rules out a whole
+        # group (Gemma has thousands of "<unused…>" tokens).
+        self.groups: dict[str, list[int]] = {}
+        for k, (text, _) in enumerate(entries):
+            self.groups.setdefault(text[: self._KEY], []).append(k)
+
+    def occurring_in(self, text: str) -> list[tuple[str, int]]:
+        found = [
+            k
+            for key, members in self.groups.items()
+            if key in text
+            for k in members
+            if self.entries[k][0] in text
+        ]
+        found.sort()
+        return [self.entries[k] for k in found]
 
 
 class StreamDecoder:
@@ -265,8 +297,10 @@ class Tokenizer:
             if t in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
         ]
         special.sort(key=lambda i: -len(texts[i].encode("utf-8")))
-        self._split_all = [(texts[i], i) for i in special]
-        self._split_user = [(texts[i], i) for i in special if types[i] == TokenType.USER_DEFINED]
+        self._split_all = _SplitTable([(texts[i], i) for i in special])
+        self._split_user = _SplitTable(
+            [(texts[i], i) for i in special if types[i] == TokenType.USER_DEFINED]
+        )
 
         if model == "llama":
             self._hf = _build_spm(texts, vocab, scores, self.unk_id)
@@ -279,7 +313,32 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_file: GGUFFile) -> Tokenizer:
-        """Build the tokenizer described by a GGUF's ``tokenizer.ggml.*`` metadata."""
+        """Build the tokenizer described by a GGUF's ``tokenizer.ggml.*`` metadata.
+
+        Tokenizers are immutable, so one built from the same unchanged file is reused
+        (a large SentencePiece vocabulary takes a few seconds to build).
+        """
+        try:
+            st = os.stat(gguf_file.path)
+            key: tuple[Any, ...] | None = (
+                str(gguf_file.path),
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+            )
+        except OSError:
+            key = None
+        if key is not None and key in _CACHE:
+            return _CACHE[key]
+        tokenizer = cls._from_metadata(gguf_file)
+        if key is not None:
+            while len(_CACHE) >= _CACHE_SIZE:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[key] = tokenizer
+        return tokenizer
+
+    @classmethod
+    def _from_metadata(cls, gguf_file: GGUFFile) -> Tokenizer:
         g = gguf_file.get
         model = g("tokenizer.ggml.model")
         tokens = g("tokenizer.ggml.tokens")
@@ -361,7 +420,12 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", "\u2581")
-            out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
+            try:
+                out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
+            except TypeError:
+                # Lone surrogates (possible in JSON input) are not encodable text.
+                frag = _SURROGATES.sub("\ufffd", frag)
+                out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
             prev_special = False
         if add_special and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
@@ -372,9 +436,7 @@ class Tokenizer:
             return []
         table = self._split_all if parse_special else self._split_user
         frags: list[str | int] = [text]
-        for tok, tid in table:
-            if tok not in text:
-                continue
+        for tok, tid in table.occurring_in(text):
             nxt: list[str | int] = []
             for f in frags:
                 if isinstance(f, int) or tok not in f:
@@ -414,21 +476,23 @@ class Tokenizer:
             return text.encode("utf-8")
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD.
+
+        As in llama.cpp, the space a SentencePiece vocabulary puts in front of the text is
+        removed from the first token, unless that token is a BOS dropped by ``skip_special``.
+        """
         ids = list(ids)
         strip_space = self.add_space_prefix
-        if skip_special and ids and ids[0] == self.bos_id and self.add_bos:
+        if skip_special and self.add_bos and ids and ids[0] == self.bos_id:
             ids = ids[1:]
+            strip_space = False
         parts: list[bytes] = []
-        for tid in ids:
+        for n, tid in enumerate(ids):
             if skip_special and self.is_special(tid):
                 continue
             piece = self.token_bytes(tid)
-            if strip_space:
-                # SentencePiece adds a space in front of the text; take it away again.
-                if piece.startswith(b" "):
-                    piece = piece[1:]
-                strip_space = False
+            if n == 0 and strip_space and piece.startswith(b" "):
+                piece = piece[1:]
             parts.append(piece)
         return b"".join(parts).decode("utf-8", errors="replace")
 

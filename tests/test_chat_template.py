@@ -271,11 +271,11 @@ RUNAWAYS = {
 
 @pytest.mark.parametrize("source", list(RUNAWAYS.values()), ids=list(RUNAWAYS))
 def test_runaway_templates_fail_fast(source: str) -> None:
-    template = ChatTemplate(source, timeout=3.0)
+    template = ChatTemplate(source, timeout=1.0)
     start = time.monotonic()
     with pytest.raises(ChatTemplateError):
         template.render(SYSTEM_USER)
-    assert time.monotonic() - start < 6.0
+    assert time.monotonic() - start < 4.0
 
 
 def test_step_budget_and_output_cap_are_configurable() -> None:

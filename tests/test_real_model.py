@@ -145,3 +145,12 @@ def test_memory_through_a_2k_token_conversation_at_ctx_8192(smol, oai) -> None:
     peak_kb = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
     print(f"peak RSS {peak_kb / 1024:.0f} MB through a {prompt_tokens}-token conversation")
     assert peak_kb / 1024 < 450
+
+
+def test_count_tokens_matches_the_prompt_tokens_of_a_reply(ant) -> None:
+    counted = ant.messages.count_tokens(model="claude-x", messages=QUESTION)
+    reply = ant.messages.create(model="claude-x", max_tokens=4, messages=QUESTION,
+                                extra_body={"temperature": 0})
+    usage = reply.usage
+    total = usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    assert counted.input_tokens == total

@@ -166,11 +166,17 @@ def test_stream_decoder_skip_special(smollm2: Tokenizer) -> None:
     assert "".join(out) == "Hi"
 
 
+def test_lone_surrogates_become_replacement_characters(any_tokenizer: Tokenizer) -> None:
+    ids = any_tokenizer.encode("a\ud800b", add_special=False)
+    assert any_tokenizer.decode(ids) == "a\ufffdb"
+
+
 def test_construction_and_encode_are_fast(smollm2: Tokenizer) -> None:
     gf = GGUFFile.open(smollm2_path())
     start = time.perf_counter()
-    Tokenizer.from_gguf(gf)
+    Tokenizer._from_metadata(gf)
     assert time.perf_counter() - start < 1.0
+    assert Tokenizer.from_gguf(gf) is smollm2  # same unchanged file: reused
     text = "The quick brown fox jumps over the lazy dog. 12345 " * 2000
     start = time.perf_counter()
     ids = smollm2.encode(text)
@@ -206,6 +212,34 @@ def test_bpe_merges_and_ignore_merges() -> None:
     no_merges = Tokenizer(model="gpt2", tokens=tokens, merges=[], pre="llama-bpe")
     assert no_merges.encode("abc", add_special=False) == [tokens.index("abc")]
     assert no_merges.add_bos is True
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt-2", ["123", "4", "Ġ5", "6"]),  # " ?\p{N}+"
+        ("llama-bpe", ["123", "4", "Ġ", "56"]),  # "\p{N}{1,3}"
+        ("qwen2", ["1", "2", "3", "4", "Ġ", "5", "6"]),  # "\p{N}"
+        ("smollm", ["1", "2", "3", "4", "Ġ", "5", "6"]),  # "\p{N}" first
+        ("default", ["123", "4", "Ġ", "56"]),  # "\p{N}+" then "[0-9][0-9][0-9]"
+    ],
+)
+def test_pre_tokenizer_families_split_digits(pre: str, pieces: list[str]) -> None:
+    tokens = _byte_level_vocab(["12", "123", "56", "Ġ5"])
+    tok = Tokenizer(model="gpt2", tokens=tokens, merges=["1 2", "12 3", "Ġ 5", "5 6"], pre=pre)
+    ids = tok.encode("1234 56", add_special=False)
+    assert [tok.token_text(i) for i in ids] == pieces
+    assert tok.decode(ids) == "1234 56"
+
+
+def test_spm_space_prefix_round_trip() -> None:
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "▁", "▁a", "▁b"]
+    tok = Tokenizer(model="llama", tokens=tokens, token_types=[2, 3, 3, 1, 1, 1, 1, 1])
+    ids = tok.encode("a b")
+    assert [tok.token_text(i) for i in ids] == ["<s>", "▁a", "▁b"]
+    assert tok.decode(ids[1:]) == "a b"
+    assert tok.decode(ids, skip_special=True) == " a b"  # llama.cpp keeps it after a BOS
+    assert tok.decode(ids) == "<s> a b"
 
 
 def test_spm_merges_follow_scores() -> None:

@@ -390,6 +390,11 @@ def _render_for_count(normalized: NormalizedRequest) -> str:
 async def count_tokens(data: CountTokensRequest, server: Server) -> dict[str, int]:
     """Anthropic token counting: the prompt's tokens under the loaded model's tokenizer."""
     normalized = translate(data, server)
+    # Backends on the generic GGUF path count the prompt exactly as it will be fed
+    # (chat template included); others get an estimate from a plain rendering.
+    counter = getattr(server.backend, "count_tokens", None)
+    if callable(counter):
+        return {"input_tokens": int(counter(normalized))}
     ids = server.backend.tokenize(_render_for_count(normalized), add_special=True)
     return {"input_tokens": len(ids)}
 

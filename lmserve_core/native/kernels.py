@@ -44,6 +44,8 @@ class Isa(enum.IntEnum):
 
 
 class RopeMode(enum.IntEnum):
+    """Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2)."""
+
     NORMAL = 0
     NEOX = 2
 
@@ -55,18 +57,26 @@ class KernelError(RuntimeError):
 
 
 class KernelValueError(KernelError, ValueError):
+    """A size, index or pointer argument was invalid (``LM_EINVAL``)."""
+
     status = -1
 
 
 class KernelMemoryError(KernelError, MemoryError):
+    """Scratch memory could not be allocated (``LM_ENOMEM``)."""
+
     status = -2
 
 
 class KernelTypeError(KernelError, TypeError):
+    """The tensor type is not supported (``LM_ETYPE``)."""
+
     status = -3
 
 
 class KernelIsaError(KernelError):
+    """The CPU lacks the requested instruction set (``LM_EISA``)."""
+
     status = -4
 
 
@@ -160,6 +170,7 @@ class Pool:
 
     @property
     def size(self) -> int:
+        """Threads, the caller included."""
         return int(lib.lm_pool_size(self._ptr))
 
     def close(self) -> None:
@@ -189,12 +200,8 @@ def _f32(a: npt.ArrayLike) -> F32Array:
 
 
 def _raw(raw: npt.ArrayLike) -> npt.NDArray[np.uint8]:
-    arr = np.asarray(raw)
-    if arr.dtype != np.uint8:
-        arr = arr.view(np.uint8) if arr.flags.c_contiguous else np.ascontiguousarray(arr).view(
-            np.uint8
-        )
-    return np.ascontiguousarray(arr).reshape(-1)
+    """Any contiguous buffer (or array) as flat bytes; no copy when already contiguous."""
+    return np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
 
 
 def _fbuf(a: F32Array) -> Any:
@@ -273,7 +280,12 @@ def get_rows(
     out = np.empty((idx.size, cols), dtype=np.float32)
     check(
         lib.lm_get_rows(
-            t, _ubuf(data), n_rows, cols, ffi.from_buffer("int32_t[]", idx), idx.size,
+            t,
+            _ubuf(data),
+            n_rows,
+            cols,
+            ffi.from_buffer("int32_t[]", idx),
+            idx.size,
             _fbuf(out),
         ),
         "get_rows",
@@ -313,7 +325,13 @@ def rope(
     if not 0 <= n_rot <= head_dim or n_rot % 2:
         raise KernelValueError(f"n_rot {n_rot} must be even and <= head_dim {head_dim}")
     lib.lm_rope(
-        _fbuf(out), n_heads, head_dim, n_rot, int(pos), float(freq_base), float(freq_scale),
+        _fbuf(out),
+        n_heads,
+        head_dim,
+        n_rot,
+        int(pos),
+        float(freq_base),
+        float(freq_scale),
         int(mode),
     )
     return out
@@ -383,8 +401,19 @@ def attention(
     out = np.empty_like(qs)
     check(
         lib.lm_attention(
-            _pool_ptr(pool), _fbuf(qs), _fbuf(ks), _fbuf(vs), _fbuf(out), ntok, int(pos0),
-            n_head, n_kv, head_dim, float(scale), int(window), float(softcap),
+            _pool_ptr(pool),
+            _fbuf(qs),
+            _fbuf(ks),
+            _fbuf(vs),
+            _fbuf(out),
+            ntok,
+            int(pos0),
+            n_head,
+            n_kv,
+            head_dim,
+            float(scale),
+            int(window),
+            float(softcap),
         ),
         "attention",
     )

@@ -148,19 +148,33 @@ static inline void lm_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t
 }
 
 /* ------------------------------------------------------------------ block scales as floats
- * s[] receives what a block's groups are multiplied by: 32-blocks {d, m}; Q4_K/Q5_K
+ * s[] receives what a block's groups are multiplied by: 32-blocks {d, m} (m = -8d, -16d for
+ * Q4_0, Q5_0); Q4_K/Q5_K
  * s[g] = d * scale_g and s[8 + g] = dmin * min_g; Q6_K s[i] = d * scales[i]. */
+/* All eight 6-bit scales then all eight mins of a Q4_K/Q5_K super-block, as bytes u[0..15]
+ * (the lm_scale_min_k4 unpacking done four bytes at a time). */
+static inline void lm_kq_unpack(const uint8_t *scales, uint8_t u[16]) {
+    uint32_t w[3], o[4];
+    memcpy(w, scales, sizeof w);
+    o[0] = w[0] & 0x3f3f3f3fu;                                             /* scales 0..3 */
+    o[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);     /* scales 4..7 */
+    o[2] = w[1] & 0x3f3f3f3fu;                                             /* mins 0..3 */
+    o[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4); /* mins 4..7 */
+    memcpy(u, o, sizeof o);
+}
+
 static inline void lm_scales_kq(const uint8_t *scales, float d, float dmin, float *s) {
+    uint8_t u[16];
+    lm_kq_unpack(scales, u);
     for (int j = 0; j < 8; j++) {
-        uint8_t sc, m;
-        lm_scale_min_k4(j, scales, &sc, &m);
-        s[j] = d * (float)sc;
-        s[8 + j] = dmin * (float)m;
+        s[j] = d * (float)u[j];
+        s[8 + j] = dmin * (float)u[8 + j];
     }
 }
 
 static inline void lm_scales_q4_0(const block_q4_0 *b, float *s) {
     s[0] = lm_f16(&b->d);
+    s[1] = -8.0f * s[0]; /* exact: a power-of-two multiple */
 }
 
 static inline void lm_scales_q4_1(const block_q4_1 *b, float *s) {
@@ -170,6 +184,7 @@ static inline void lm_scales_q4_1(const block_q4_1 *b, float *s) {
 
 static inline void lm_scales_q5_0(const block_q5_0 *b, float *s) {
     s[0] = lm_f16(&b->d);
+    s[1] = -16.0f * s[0];
 }
 
 static inline void lm_scales_q5_1(const block_q5_1 *b, float *s) {
@@ -217,6 +232,15 @@ typedef struct {
     float (*dot_f32)(const float *a, const float *b, int64_t n);
     void (*axpy_f32)(float *y, float a, const float *x, int64_t n); /* y += a * x */
     void (*scale_f32)(float *y, float a, int64_t n);                /* y *= a */
+    /* x[i] = exp(x[i] - mx) (exactly 0 far below mx); returns the sum */
+    float (*exp_sum)(float *x, int64_t n, float mx);
+    void (*silu_mul)(float *out, const float *gate, const float *up, int64_t n);
+    void (*gelu_mul)(float *out, const float *gate, const float *up, int64_t n);
+    /* attention rows over j < n and hd elements: s[j] = scale * dot(q, k + j * ks), returning
+     * the largest s[j]; out = sum_j p[j] * (v + j * vs) */
+    float (*qk_scores)(const float *q, const float *k, int64_t ks, int64_t n, int hd,
+                       float scale, float *s);
+    void (*pv_sum)(const float *p, const float *v, int64_t vs, int64_t n, int hd, float *out);
 } lm_kernels;
 
 void lm_kernels_portable(lm_kernels *k);

@@ -2,7 +2,8 @@
  * lm_matmul: y (ntok x rows) = x (ntok x cols) . W^T, W quantized row-major.
  *
  * Few tokens (decode): memory-bound, so each weight row is streamed once through the fused
- * decode+dot kernel for every token; rows are split across threads.
+ * decode+dot kernel, each decoded block serving up to 8 tokens; rows are split into a few
+ * chunks per thread, claimed dynamically so a descheduled thread does not stall the call.
  * Many tokens (prefill): compute-bound. The tokens are packed once into k-major panels of
  * `nr` tokens; each thread then decodes `mr` weight rows at a time into a small k-major
  * panel (never the whole matrix) and runs an mr x nr register-tiled f32 micro-kernel over
@@ -25,7 +26,7 @@ typedef struct {
     float *y;
     /* GEMM path */
     float *xpack;      /* ceil(ntok / nr) panels of cols x nr */
-    uint8_t *scratch;  /* per-thread: mr x cols panel + one decoded row */
+    uint8_t *scratch;  /* per-thread: mr x cols panel, mr x cols rows, output tile */
     size_t per_thread; /* bytes of scratch per thread */
 } mm_ctx;
 
@@ -111,14 +112,38 @@ static void mm_pack_x_task(void *arg, int task, int n_tasks, int thread) {
     }
 }
 
+/* Decode weight rows r0 .. r0+nrows into the k-major panel a[k * mr + i] (rows past nrows
+ * are zero). Rows are decoded row-major into `tile` first, then transposed in column
+ * chunks small enough that the panel lines being written stay in L1. */
+static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float *a) {
+    const lm_kernels *k = c->k;
+    const int mr = k->mr;
+    const int64_t K = c->cols;
+    for (int i = 0; i < nrows; i++) {
+        k->dequant[c->type](c->w + (r0 + i) * c->row_bytes, tile + (int64_t)i * K, K);
+    }
+    if (nrows < mr) {
+        memset(tile + (int64_t)nrows * K, 0, (size_t)(mr - nrows) * (size_t)K * sizeof(float));
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
+        for (int i = 0; i < mr; i++) {
+            const float *src = tile + (int64_t)i * K;
+            for (int64_t kk = k0; kk < k1; kk++) {
+                a[kk * mr + i] = src[kk];
+            }
+        }
+    }
+}
+
 static void mm_gemm_task(void *arg, int task, int n_tasks, int thread) {
     const mm_ctx *c = arg;
     const lm_kernels *k = c->k;
     const int mr = k->mr, nr = k->nr;
     const int64_t K = c->cols;
     float *apanel = (float *)(c->scratch + (size_t)thread * c->per_thread);
-    float *rowbuf = apanel + (size_t)mr * K;
-    float *cbuf = rowbuf + K; /* nr x mr tile */
+    float *tile = apanel + (size_t)mr * K;
+    float *cbuf = tile + (size_t)mr * K; /* nr x mr tile */
     const int64_t nrp = (c->rows + mr - 1) / mr;
     const int64_t ntp = (c->ntok + nr - 1) / nr;
     int64_t p0, p1;
@@ -126,18 +151,7 @@ static void mm_gemm_task(void *arg, int task, int n_tasks, int thread) {
     for (int64_t rp = p0; rp < p1; rp++) {
         const int64_t r0 = rp * mr;
         const int nrows = (int)(c->rows - r0 < mr ? c->rows - r0 : mr);
-        for (int i = 0; i < mr; i++) {
-            if (i < nrows) {
-                k->dequant[c->type](c->w + (r0 + i) * c->row_bytes, rowbuf, K);
-                for (int64_t kk = 0; kk < K; kk++) {
-                    apanel[kk * mr + i] = rowbuf[kk];
-                }
-            } else {
-                for (int64_t kk = 0; kk < K; kk++) {
-                    apanel[kk * mr + i] = 0.0f;
-                }
-            }
-        }
+        mm_pack_a(c, r0, nrows, tile, apanel);
         for (int64_t tp = 0; tp < ntp; tp++) {
             k->gemm(apanel, c->xpack + tp * K * nr, K, cbuf);
             const int64_t t0 = tp * nr;
@@ -200,8 +214,7 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     const int64_t n_xpanels = (ntok + nr - 1) / nr;
     const size_t xbytes =
         align64((size_t)n_xpanels * (size_t)nr * (size_t)cols * sizeof(float));
-    c.per_thread = align64(((size_t)mr * (size_t)cols + (size_t)cols + (size_t)mr * nr) *
-                           sizeof(float));
+    c.per_thread = align64((2 * (size_t)mr * (size_t)cols + (size_t)mr * nr) * sizeof(float));
     const size_t total = xbytes + c.per_thread * (size_t)nth;
     uint8_t *mem = acq != NULL ? lm_pool_scratch(acq, total) : lm_aligned_alloc(total);
     if (mem == NULL) {

@@ -27,6 +27,19 @@ void lm_rmsnorm(float *out, const float *x, const float *weight, int64_t n, floa
     }
 }
 
+/* 1 / base^(2i / n_rot) for the last (base, n_rot) a thread used: a forward pass calls
+ * lm_rope with the same pair for every token and layer. */
+#define ROPE_CACHE 256
+static _Thread_local struct {
+    float base;
+    int n_rot;
+    float inv_freq[ROPE_CACHE];
+} rope_cache;
+
+static float rope_inv_freq(float base, int n_rot, int i) {
+    return 1.0f / powf(base, (float)(2 * i) / (float)n_rot);
+}
+
 void lm_rope(float *x, int n_heads, int head_dim, int n_rot, int64_t pos, float freq_base,
              float freq_scale, int mode) {
     if (n_rot > head_dim) {
@@ -37,18 +50,26 @@ void lm_rope(float *x, int n_heads, int head_dim, int n_rot, int64_t pos, float 
         return;
     }
     const int half = n_rot / 2;
-    /* one cos/sin per frequency, shared by all heads; the angle is formed in float like the
-     * float32 references (inv_freq, then pos * inv_freq), the cos/sin taken in double */
-    float cs[512], sn[512];
+    const int cached = half <= ROPE_CACHE;
+    if (cached && (rope_cache.n_rot != n_rot || rope_cache.base != freq_base)) {
+        for (int i = 0; i < half; i++) {
+            rope_cache.inv_freq[i] = rope_inv_freq(freq_base, n_rot, i);
+        }
+        rope_cache.base = freq_base;
+        rope_cache.n_rot = n_rot;
+    }
+    /* the angle is formed in float like the float32 references (inv_freq, then
+     * pos * inv_freq); one cos/sin per frequency, shared by all heads */
+    float cs[128], sn[128];
     const float p = (float)pos * freq_scale;
-    for (int i0 = 0; i0 < half; i0 += 512) {
-        const int cnt = half - i0 < 512 ? half - i0 : 512;
+    for (int i0 = 0; i0 < half; i0 += 128) {
+        const int cnt = half - i0 < 128 ? half - i0 : 128;
         for (int i = 0; i < cnt; i++) {
-            const float inv_freq =
-                1.0f / powf(freq_base, (float)(2 * (i0 + i)) / (float)n_rot);
-            const double theta = (double)(p * inv_freq);
-            cs[i] = (float)cos(theta);
-            sn[i] = (float)sin(theta);
+            const float inv =
+                cached ? rope_cache.inv_freq[i0 + i] : rope_inv_freq(freq_base, n_rot, i0 + i);
+            const float theta = p * inv;
+            cs[i] = cosf(theta);
+            sn[i] = sinf(theta);
         }
         for (int h = 0; h < n_heads; h++) {
             float *v = x + (int64_t)h * head_dim;
@@ -63,6 +84,8 @@ void lm_rope(float *x, int n_heads, int head_dim, int n_rot, int64_t pos, float 
     }
 }
 
+#undef ROPE_CACHE
+
 void lm_softmax(float *x, int64_t n) {
     if (n <= 0) {
         return;
@@ -71,29 +94,19 @@ void lm_softmax(float *x, int64_t n) {
     for (int64_t i = 1; i < n; i++) {
         mx = x[i] > mx ? x[i] : mx;
     }
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - mx);
-        sum += x[i];
-    }
-    const float inv = (float)(1.0 / sum);
-    for (int64_t i = 0; i < n; i++) {
-        x[i] *= inv;
-    }
+    const lm_kernels *k = lm_kernels_active();
+    k->scale_f32(x, 1.0f / k->exp_sum(x, n, mx), n);
 }
 
 void lm_silu_mul(float *out, const float *gate, const float *up, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
+    if (n > 0) {
+        lm_kernels_active()->silu_mul(out, gate, up, n);
     }
 }
 
 void lm_gelu_mul(float *out, const float *gate, const float *up, int64_t n) {
-    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-    for (int64_t i = 0; i < n; i++) {
-        const float g = gate[i];
-        out[i] = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * up[i];
+    if (n > 0) {
+        lm_kernels_active()->gelu_mul(out, gate, up, n);
     }
 }
 

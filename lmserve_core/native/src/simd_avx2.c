@@ -3,13 +3,14 @@
  * binary runs on any x86-64; dispatch.c installs them only when the CPU has the features.
  *
  * Same scheme as the AVX-512 path with 8 lanes: each 32-element group decodes into four
- * vectors (bit-identical to the portable decoder when fused = 0), dot products FMA them
+ * vectors (bit-identical to the portable decoder when fused = 0); dot products FMA them
  * with x.
  */
 #include "lm_internal.h"
 
 #if LM_HAVE_X86
 #include <immintrin.h>
+#include <math.h>
 
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -51,9 +52,9 @@ T256 static inline __m256i y_bits_to_16(uint32_t bits) {
     return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
-#define AFFINE(q, d, m, fused)                                                                 \
+#define AFFINE(q, d, m, fused)                                                                     \
     ((fused) ? _mm256_fmadd_ps((q), (d), (m)) : _mm256_add_ps(_mm256_mul_ps((q), (d)), (m)))
-#define AFFINE_SUB(q, d, m, fused)                                                             \
+#define AFFINE_SUB(q, d, m, fused)                                                                 \
     ((fused) ? _mm256_fmsub_ps((q), (d), (m)) : _mm256_sub_ps(_mm256_mul_ps((d), (q)), (m)))
 
 /* ------------------------------------------------------------------ 32-element groups
@@ -191,38 +192,69 @@ T256 static inline void y_dec_q6_K(const block_q6_K *b, int g, const float *s, _
     w[3] = _mm256_mul_ps(d1, w[3]);
 }
 
-#define DEF_BLOCK_KERNELS(name, blk, qk)                                                       \
-    T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {              \
-        const blk *b = row;                                                                  \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
-        float s[16];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            const float *xb = x + i * (qk);                                                  \
-            lm_scales_##name(b + i, s);                                                      \
-            for (int g = 0; g < (qk) / 32; g++) {                                            \
-                __m256 w[4];                                                                 \
-                y_dec_##name(b + i, g, s, w, 1);                                             \
-                a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb + 32 * g), a0);                \
-                a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 32 * g + 8), a1);            \
-                a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 32 * g + 16), a2);           \
-                a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 32 * g + 24), a3);           \
-            }                                                                                \
-        }                                                                                    \
-        return y_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));          \
-    }                                                                                        \
-    T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                   \
-        const blk *b = src;                                                                  \
-        float s[16];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            lm_scales_##name(b + i, s);                                                      \
-            for (int g = 0; g < (qk) / 32; g++) {                                            \
-                __m256 w[4];                                                                 \
-                y_dec_##name(b + i, g, s, w, 0);                                             \
-                for (int v = 0; v < 4; v++) {                                                \
-                    _mm256_storeu_ps(dst + i * (qk) + 32 * g + 8 * v, w[v]);                 \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
+/* K-quant scales: unpack, then widen and scale all sixteen at once. */
+T256 static inline void y_scales_kq(const uint8_t *scales, float d, float dmin, float *s) {
+    uint8_t u[16];
+    lm_kq_unpack(scales, u);
+    const __m128i v = _mm_loadu_si128((const __m128i *)u);
+    _mm256_storeu_ps(s, _mm256_mul_ps(y_u8_ps(v), _mm256_set1_ps(d)));
+    _mm256_storeu_ps(s + 8, _mm256_mul_ps(y_u8_ps(_mm_unpackhi_epi64(v, v)), _mm256_set1_ps(dmin)));
+}
+
+T256 static inline void y_scales_q4_K(const block_q4_K *b, float *s) {
+    y_scales_kq(b->scales, lm_f16(&b->d), lm_f16(&b->dmin), s);
+}
+
+T256 static inline void y_scales_q5_K(const block_q5_K *b, float *s) {
+    y_scales_kq(b->scales, lm_f16(&b->d), lm_f16(&b->dmin), s);
+}
+
+T256 static inline void y_scales_q6_K(const block_q6_K *b, float *s) {
+    __m256 f[2];
+    y_i8x16_ps(_mm_loadu_si128((const __m128i *)b->scales), f);
+    const __m256 d = _mm256_set1_ps(lm_f16(&b->d));
+    _mm256_storeu_ps(s, _mm256_mul_ps(d, f[0]));
+    _mm256_storeu_ps(s + 8, _mm256_mul_ps(d, f[1]));
+}
+
+#define y_scales_q4_0 lm_scales_q4_0
+#define y_scales_q4_1 lm_scales_q4_1
+#define y_scales_q5_0 lm_scales_q5_0
+#define y_scales_q5_1 lm_scales_q5_1
+#define y_scales_q8_0 lm_scales_q8_0
+
+#define DEF_BLOCK_KERNELS(name, blk, qk)                                                           \
+    T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {                   \
+        const blk *b = row;                                                                        \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
+        float s[16];                                                                               \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            const float *xb = x + i * (qk);                                                        \
+            y_scales_##name(b + i, s);                                                             \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                __m256 w[4];                                                                       \
+                y_dec_##name(b + i, g, s, w, 1);                                                   \
+                a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb + 32 * g), a0);                      \
+                a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 32 * g + 8), a1);                  \
+                a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 32 * g + 16), a2);                 \
+                a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 32 * g + 24), a3);                 \
+            }                                                                                      \
+        }                                                                                          \
+        return y_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                \
+    }                                                                                              \
+    T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                        \
+        const blk *b = src;                                                                        \
+        float s[16];                                                                               \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            y_scales_##name(b + i, s);                                                             \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                __m256 w[4];                                                                       \
+                y_dec_##name(b + i, g, s, w, 0);                                                   \
+                for (int v = 0; v < 4; v++) {                                                      \
+                    _mm256_storeu_ps(dst + i * (qk) + 32 * g + 8 * v, w[v]);                       \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
     }
 
 T256 static inline float y_hsum(__m256 v) {
@@ -233,48 +265,48 @@ T256 static inline float y_hsum(__m256 v) {
 }
 
 /* Several tokens per decoded block, NT <= 8: one accumulator per token (16 registers). */
-#define DEF_MULTI_KERNELS(name, blk, qk)                                                       \
-    T256 static inline __attribute__((always_inline)) void y_dotn_body_##name(              \
-        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,      \
-        int64_t ldo) {                                                                       \
-        __m256 acc[8];                                                                       \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
-            acc[t] = _mm256_setzero_ps();                                                    \
-        }                                                                                    \
-        float s[16];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            lm_scales_##name(b + i, s);                                                      \
-            for (int g = 0; g < (qk) / 32; g++) {                                            \
-                __m256 w[4];                                                                 \
-                y_dec_##name(b + i, g, s, w, 1);                                             \
-                const float *xb = x + i * (qk) + 32 * g;                                     \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
-                    const float *xt = xb + t * ldx;                                          \
-                    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));                     \
-                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);                   \
-                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);                  \
-                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);                  \
-                    acc[t] = _mm256_add_ps(acc[t], p);                                       \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
-            out[t * ldo] = y_hsum(acc[t]);                                                   \
-        }                                                                                    \
-    }                                                                                        \
-    T256 static void y_dotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,   \
-                                   int nt, float *out, int64_t ldo) {                        \
-        const blk *b = row;                                                                  \
-        switch (nt) {                                                                        \
-        case 1: y_dotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                        \
-        case 2: y_dotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                        \
-        case 3: y_dotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                        \
-        case 4: y_dotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                        \
-        case 5: y_dotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                        \
-        case 6: y_dotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                        \
-        case 7: y_dotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                        \
-        default: y_dotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                       \
-        }                                                                                    \
+#define DEF_MULTI_KERNELS(name, blk, qk)                                                           \
+    T256 static inline __attribute__((always_inline)) void y_dotn_body_##name(                     \
+        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,            \
+        int64_t ldo) {                                                                             \
+        __m256 acc[8];                                                                             \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            acc[t] = _mm256_setzero_ps();                                                          \
+        }                                                                                          \
+        float s[16];                                                                               \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            y_scales_##name(b + i, s);                                                             \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                __m256 w[4];                                                                       \
+                y_dec_##name(b + i, g, s, w, 1);                                                   \
+                const float *xb = x + i * (qk) + 32 * g;                                           \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
+                    const float *xt = xb + t * ldx;                                                \
+                    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));                           \
+                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);                         \
+                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);                        \
+                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);                        \
+                    acc[t] = _mm256_add_ps(acc[t], p);                                             \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            out[t * ldo] = y_hsum(acc[t]);                                                         \
+        }                                                                                          \
+    }                                                                                              \
+    T256 static void y_dotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,        \
+                                   int nt, float *out, int64_t ldo) {                              \
+        const blk *b = row;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: y_dotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                              \
+        case 2: y_dotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                              \
+        case 3: y_dotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                              \
+        case 4: y_dotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                              \
+        case 5: y_dotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                              \
+        case 6: y_dotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                              \
+        case 7: y_dotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                              \
+        default: y_dotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                             \
+        }                                                                                          \
     }
 
 DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
@@ -308,35 +340,35 @@ T256 static inline __m256 y_load_f32(const uint8_t *p) {
     return _mm256_loadu_ps((const float *)p);
 }
 
-#define DEF_ELEM_KERNELS(name, esize, conv)                                                    \
-    T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {              \
-        const uint8_t *p = row;                                                              \
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                           \
-        int64_t i = 0;                                                                       \
-        for (; i + 16 <= n; i += 16) {                                                       \
-            a0 = _mm256_fmadd_ps(y_load_##name(p + (esize) * i), _mm256_loadu_ps(x + i), a0);\
-            a1 = _mm256_fmadd_ps(y_load_##name(p + (esize) * (i + 8)),                       \
-                                 _mm256_loadu_ps(x + i + 8), a1);                            \
-        }                                                                                    \
-        float s = y_hsum(_mm256_add_ps(a0, a1));                                             \
-        for (; i < n; i++) {                                                                 \
-            float v;                                                                         \
-            conv;                                                                            \
-            s += v * x[i];                                                                   \
-        }                                                                                    \
-        return s;                                                                            \
-    }                                                                                        \
-    T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                   \
-        const uint8_t *p = src;                                                              \
-        int64_t i = 0;                                                                       \
-        for (; i + 8 <= n; i += 8) {                                                         \
-            _mm256_storeu_ps(dst + i, y_load_##name(p + (esize) * i));                       \
-        }                                                                                    \
-        for (; i < n; i++) {                                                                 \
-            float v;                                                                         \
-            conv;                                                                            \
-            dst[i] = v;                                                                      \
-        }                                                                                    \
+#define DEF_ELEM_KERNELS(name, esize, conv)                                                        \
+    T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {                   \
+        const uint8_t *p = row;                                                                    \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                 \
+        int64_t i = 0;                                                                             \
+        for (; i + 16 <= n; i += 16) {                                                             \
+            a0 = _mm256_fmadd_ps(y_load_##name(p + (esize) * i), _mm256_loadu_ps(x + i), a0);      \
+            a1 = _mm256_fmadd_ps(y_load_##name(p + (esize) * (i + 8)),                             \
+                                 _mm256_loadu_ps(x + i + 8), a1);                                  \
+        }                                                                                          \
+        float s = y_hsum(_mm256_add_ps(a0, a1));                                                   \
+        for (; i < n; i++) {                                                                       \
+            float v;                                                                               \
+            conv;                                                                                  \
+            s += v * x[i];                                                                         \
+        }                                                                                          \
+        return s;                                                                                  \
+    }                                                                                              \
+    T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                        \
+        const uint8_t *p = src;                                                                    \
+        int64_t i = 0;                                                                             \
+        for (; i + 8 <= n; i += 8) {                                                               \
+            _mm256_storeu_ps(dst + i, y_load_##name(p + (esize) * i));                             \
+        }                                                                                          \
+        for (; i < n; i++) {                                                                       \
+            float v;                                                                               \
+            conv;                                                                                  \
+            dst[i] = v;                                                                            \
+        }                                                                                          \
     }
 
 DEF_ELEM_KERNELS(f16, 2, v = lm_f16(p + 2 * i))
@@ -361,7 +393,8 @@ T256 static void y_vaxpy_f32(float *y, float a, const float *x, int64_t n) {
     const __m256 va = _mm256_set1_ps(a);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        const __m256 r = _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
+        _mm256_storeu_ps(y + i, r);
     }
     for (; i < n; i++) {
         y[i] += a * x[i];
@@ -379,6 +412,132 @@ T256 static void y_vscale_f32(float *y, float a, int64_t n) {
     }
 }
 
+/* ------------------------------------------------------------------ exp and activations
+ * Same expf as the AVX-512 path; 2^n is built in the exponent bits (n in [-126, 127]). */
+T256 static inline __m256 y_exp(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+/* the first n (< 8) lanes set */
+T256 static inline __m256i y_tail_mask(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+T256 static float y_exp_sum(float *x, int64_t n, float mx) {
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i m = n - i >= 8 ? _mm256_set1_epi32(-1) : y_tail_mask(n - i);
+        const __m256 e = y_exp(_mm256_sub_ps(_mm256_maskload_ps(x + i, m), vm));
+        _mm256_maskstore_ps(x + i, m, e);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(m)));
+    }
+    return y_hsum(acc);
+}
+
+T256 static inline void y_sigmoid_mul(float *out, const float *gate, const float *up, int64_t n,
+                                      int gelu) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i m = n - i >= 8 ? _mm256_set1_epi32(-1) : y_tail_mask(n - i);
+        const __m256 g = _mm256_maskload_ps(gate + i, m);
+        __m256 a;
+        if (gelu) {
+            const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+            a = _mm256_mul_ps(_mm256_set1_ps(-2.0f * 0.7978845608028654f),
+                              _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+        } else {
+            a = _mm256_sub_ps(_mm256_setzero_ps(), g);
+        }
+        const __m256 num = _mm256_mul_ps(g, _mm256_maskload_ps(up + i, m));
+        _mm256_maskstore_ps(out + i, m, _mm256_div_ps(num, _mm256_add_ps(one, y_exp(a))));
+    }
+}
+
+T256 static void y_silu_mul(float *out, const float *gate, const float *up, int64_t n) {
+    y_sigmoid_mul(out, gate, up, n, 0);
+}
+
+T256 static void y_gelu_mul(float *out, const float *gate, const float *up, int64_t n) {
+    y_sigmoid_mul(out, gate, up, n, 1);
+}
+
+/* ------------------------------------------------------------------ attention rows */
+T256 static float y_qk_scores(const float *q, const float *k, int64_t ks, int64_t n, int hd,
+                              float scale, float *s) {
+    float mx = -INFINITY;
+    int64_t j = 0;
+    if (hd % 8 == 0) {
+        const __m128 vs = _mm_set1_ps(scale);
+        __m128 vmx = _mm_set1_ps(-INFINITY);
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + j * ks;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + d), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m128 r = _mm_mul_ps(
+                _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
+            vmx = _mm_max_ps(vmx, r);
+            _mm_storeu_ps(s + j, r);
+        }
+        vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
+        vmx = _mm_max_ss(vmx, _mm_movehdup_ps(vmx));
+        mx = _mm_cvtss_f32(vmx);
+    }
+    for (; j < n; j++) {
+        s[j] = y_vdot_f32(q, k + j * ks, hd) * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    return mx;
+}
+
+T256 static void y_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int hd,
+                          float *out) {
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) { /* 32 output dims per pass in four registers */
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = v + j * vs + d0;
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), o0);
+            o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), o1);
+            o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), o2);
+            o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), o3);
+        }
+        _mm256_storeu_ps(out + d0, o0);
+        _mm256_storeu_ps(out + d0 + 8, o1);
+        _mm256_storeu_ps(out + d0 + 16, o2);
+        _mm256_storeu_ps(out + d0 + 24, o3);
+    }
+    if (d0 < hd) {
+        memset(out + d0, 0, (size_t)(hd - d0) * sizeof(float));
+        for (int64_t j = 0; j < n; j++) {
+            y_vaxpy_f32(out + d0, p[j], v + j * vs + d0, hd - d0);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ GEMM micro-kernel
  * 16 weight rows (two vectors) x 6 tokens (broadcasts): 12 accumulators of 16 registers. */
 #define Y_MR 16
@@ -391,11 +550,11 @@ T256 static void y_gemm_16x6(const float *a, const float *b, int64_t k, float *c
         const __m256 a0 = _mm256_load_ps(a + p * Y_MR);
         const __m256 a1 = _mm256_load_ps(a + p * Y_MR + 8);
         const float *bp = b + p * Y_NR;
-#define STEP(t)                                                                                \
-    do {                                                                                       \
-        const __m256 bt = _mm256_broadcast_ss(bp + (t));                                      \
-        c##t##a = _mm256_fmadd_ps(a0, bt, c##t##a);                                           \
-        c##t##b = _mm256_fmadd_ps(a1, bt, c##t##b);                                           \
+#define STEP(t)                                                                                    \
+    do {                                                                                           \
+        const __m256 bt = _mm256_broadcast_ss(bp + (t));                                           \
+        c##t##a = _mm256_fmadd_ps(a0, bt, c##t##a);                                                \
+        c##t##b = _mm256_fmadd_ps(a1, bt, c##t##b);                                                \
     } while (0)
         STEP(0);
         STEP(1);
@@ -405,10 +564,10 @@ T256 static void y_gemm_16x6(const float *a, const float *b, int64_t k, float *c
         STEP(5);
 #undef STEP
     }
-#define OUT(t)                                                                                 \
-    do {                                                                                       \
-        _mm256_storeu_ps(c + (t) * Y_MR, c##t##a);                                            \
-        _mm256_storeu_ps(c + (t) * Y_MR + 8, c##t##b);                                        \
+#define OUT(t)                                                                                     \
+    do {                                                                                           \
+        _mm256_storeu_ps(c + (t) * Y_MR, c##t##a);                                                 \
+        _mm256_storeu_ps(c + (t) * Y_MR + 8, c##t##b);                                             \
     } while (0)
     OUT(0);
     OUT(1);
@@ -456,9 +615,19 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->dot_f32 = y_vdot_f32;
     k->axpy_f32 = y_vaxpy_f32;
     k->scale_f32 = y_vscale_f32;
+    k->exp_sum = y_exp_sum;
+    k->silu_mul = y_silu_mul;
+    k->gelu_mul = y_gelu_mul;
+    k->qk_scores = y_qk_scores;
+    k->pv_sum = y_pv_sum;
 }
 
 #undef T256
+#undef y_scales_q4_0
+#undef y_scales_q4_1
+#undef y_scales_q5_0
+#undef y_scales_q5_1
+#undef y_scales_q8_0
 #undef AFFINE
 #undef AFFINE_SUB
 #undef DEF_BLOCK_KERNELS

@@ -2,14 +2,15 @@
  * AVX-512 (F, BW, VL) kernels. Compiled with per-function target attributes so the same
  * binary runs on any x86-64; dispatch.c installs them only when the CPU has the features.
  *
- * Every type decodes 32-element groups into two 16-lane vectors with the same float
- * operations as the portable decoder (so decoded weights are bit-identical); dot products
- * then FMA the decoded weights with x.
+ * Every type decodes 32-element groups into two 16-lane vectors. Dequantization (and so the
+ * GEMM panels) uses the portable decoder's float operations, bit for bit; dot products fold
+ * the scale and offset into one FMA, then FMA the decoded weights with x.
  */
 #include "lm_internal.h"
 
 #if LM_HAVE_X86
 #include <immintrin.h>
+#include <math.h>
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
@@ -39,20 +40,27 @@ T512 static inline __m128i z_hi128(__m256i v) {
  * from memory, which keeps the shuffle port free); z_dec_<type>(b, g, s, w, fused) decodes group g
  * into w[0..1]. fused = 0 rounds exactly like the portable decoder (dequantize, GEMM panels);
  * fused = 1 folds "q * d + m" into one FMA (dot products: one op less, one rounding less). */
-#define AFFINE(q, d, m, fused)                                                                 \
+#define AFFINE(q, d, m, fused)                                                                     \
     ((fused) ? _mm512_fmadd_ps((q), (d), (m)) : _mm512_add_ps(_mm512_mul_ps((q), (d)), (m)))
-#define AFFINE_SUB(q, d, m, fused)                                                             \
+#define AFFINE_SUB(q, d, m, fused)                                                                 \
     ((fused) ? _mm512_fmsub_ps((q), (d), (m)) : _mm512_sub_ps(_mm512_mul_ps((d), (q)), (m)))
 
 T512 static inline void z_dec_q4_0(const block_q4_0 *b, int g, const float *s, __m512 w[2],
                                    int fused) {
     (void)g;
-    (void)fused;
-    const __m128i m4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(8);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
     const __m512 d = _mm512_set1_ps(s[0]);
-    w[0] = _mm512_mul_ps(z_i8_ps(_mm_sub_epi8(_mm_and_si128(q, m4), off)), d);
-    w[1] = _mm512_mul_ps(z_i8_ps(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), off)), d);
+    if (fused) { /* q * d - 8 d */
+        const __m512 m = _mm512_set1_ps(s[1]);
+        w[0] = _mm512_fmadd_ps(z_u8_ps(lo), d, m);
+        w[1] = _mm512_fmadd_ps(z_u8_ps(hi), d, m);
+    } else {
+        const __m128i off = _mm_set1_epi8(8);
+        w[0] = _mm512_mul_ps(z_i8_ps(_mm_sub_epi8(lo, off)), d);
+        w[1] = _mm512_mul_ps(z_i8_ps(_mm_sub_epi8(hi, off)), d);
+    }
 }
 
 T512 static inline void z_dec_q4_1(const block_q4_1 *b, int g, const float *s, __m512 w[2],
@@ -66,29 +74,38 @@ T512 static inline void z_dec_q4_1(const block_q4_1 *b, int g, const float *s, _
     w[1] = AFFINE(z_u8_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d, m, fused);
 }
 
+/* Q5: the 16 bytes widened once to 32-bit lanes; nibbles then split with one op each. */
+T512 static inline void z_nib_ints(const uint8_t *qs, __m512i out[2]) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    out[0] = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+    out[1] = _mm512_srli_epi32(v, 4);
+}
+
 /* 5th bits: bit i of qh belongs to element i. */
 T512 static inline void z_q5_ints(const uint8_t *qs, const uint8_t *qhp, __m512i out[2]) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
     uint32_t qh;
     memcpy(&qh, qhp, sizeof qh);
     const __m512i b16 = _mm512_set1_epi32(16);
-    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, m4));
-    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
-    out[0] = _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFFu), lo, b16);
-    out[1] = _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, b16);
+    z_nib_ints(qs, out);
+    out[0] = _mm512_mask_or_epi32(out[0], (__mmask16)(qh & 0xFFFFu), out[0], b16);
+    out[1] = _mm512_mask_or_epi32(out[1], (__mmask16)(qh >> 16), out[1], b16);
 }
 
 T512 static inline void z_dec_q5_0(const block_q5_0 *b, int g, const float *s, __m512 w[2],
                                    int fused) {
     (void)g;
-    (void)fused;
     __m512i q[2];
     z_q5_ints(b->qs, b->qh, q);
-    const __m512i off = _mm512_set1_epi32(16);
     const __m512 d = _mm512_set1_ps(s[0]);
-    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[0], off)), d);
-    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[1], off)), d);
+    if (fused) { /* q * d - 16 d */
+        const __m512 m = _mm512_set1_ps(s[1]);
+        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[0]), d, m);
+        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[1]), d, m);
+    } else {
+        const __m512i off = _mm512_set1_epi32(16);
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[0], off)), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q[1], off)), d);
+    }
 }
 
 T512 static inline void z_dec_q5_1(const block_q5_1 *b, int g, const float *s, __m512 w[2],
@@ -158,79 +175,130 @@ T512 static inline void z_dec_q6_K(const block_q6_K *b, int g, const float *s, _
     w[1] = _mm512_mul_ps(_mm512_set1_ps(sc[1]), z_i8_ps(z_hi128(q)));
 }
 
+/* K-quant scales: unpack, then widen and scale all sixteen at once. */
+T512 static inline void z_scales_kq(const uint8_t *scales, float d, float dmin, float *s) {
+    uint8_t u[16];
+    lm_kq_unpack(scales, u);
+    const __m512 f = z_u8_ps(_mm_loadu_si128((const __m128i *)u));
+    const __m512 dm = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castps_pd(_mm512_set1_ps(d)), _mm256_castps_pd(_mm256_set1_ps(dmin)), 1));
+    _mm512_storeu_ps(s, _mm512_mul_ps(f, dm));
+}
+
+T512 static inline void z_scales_q4_K(const block_q4_K *b, float *s) {
+    z_scales_kq(b->scales, lm_f16(&b->d), lm_f16(&b->dmin), s);
+}
+
+T512 static inline void z_scales_q5_K(const block_q5_K *b, float *s) {
+    z_scales_kq(b->scales, lm_f16(&b->d), lm_f16(&b->dmin), s);
+}
+
+T512 static inline void z_scales_q6_K(const block_q6_K *b, float *s) {
+    const __m512 f = z_i8_ps(_mm_loadu_si128((const __m128i *)b->scales));
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_set1_ps(lm_f16(&b->d)), f));
+}
+
+#define z_scales_q4_0 lm_scales_q4_0
+#define z_scales_q4_1 lm_scales_q4_1
+#define z_scales_q5_0 lm_scales_q5_0
+#define z_scales_q5_1 lm_scales_q5_1
+#define z_scales_q8_0 lm_scales_q8_0
+
 /* dot and dequantize over whole blocks of `qk` elements made of qk/32 groups */
-#define DEF_BLOCK_KERNELS(name, blk, qk)                                                       \
-    T512 static float z_dot_##name(const void *row, const float *x, int64_t n) {              \
-        const blk *b = row;                                                                  \
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                           \
-        float s[16];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            const float *xb = x + i * (qk);                                                  \
-            lm_scales_##name(b + i, s);                                                          \
-            for (int g = 0; g < (qk) / 32; g++) {                                            \
-                __m512 w[2];                                                                 \
-                z_dec_##name(b + i, g, s, w, 1);                                             \
-                a0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + 32 * g), a0);                \
-                a1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 32 * g + 16), a1);           \
-            }                                                                                \
-        }                                                                                    \
-        return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                                  \
-    }                                                                                        \
-    T512 static void z_deq_##name(const void *src, float *dst, int64_t n) {                   \
-        const blk *b = src;                                                                  \
-        float s[16];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            lm_scales_##name(b + i, s);                                                          \
-            for (int g = 0; g < (qk) / 32; g++) {                                            \
-                __m512 w[2];                                                                 \
-                z_dec_##name(b + i, g, s, w, 0);                                             \
-                _mm512_storeu_ps(dst + i * (qk) + 32 * g, w[0]);                             \
-                _mm512_storeu_ps(dst + i * (qk) + 32 * g + 16, w[1]);                        \
-            }                                                                                \
-        }                                                                                    \
+#define DEF_BLOCK_KERNELS(name, blk, qk)                                                           \
+    /* four accumulators (two groups in flight) hide the FMA latency */                            \
+    T512 static float z_dot_##name(const void *row, const float *x, int64_t n) {                   \
+        const blk *b = row;                                                                        \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
+        float s[16], s2[16];                                                                       \
+        const int64_t nb = n / (qk);                                                               \
+        int64_t i = 0;                                                                             \
+        if ((qk) == 32) {                                                                          \
+            for (; i + 2 <= nb; i += 2) {                                                          \
+                __m512 w[2], v[2];                                                                 \
+                z_scales_##name(b + i, s);                                                         \
+                z_scales_##name(b + i + 1, s2);                                                    \
+                z_dec_##name(b + i, 0, s, w, 1);                                                   \
+                z_dec_##name(b + i + 1, 0, s2, v, 1);                                              \
+                const float *xb = x + i * 32;                                                      \
+                a0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0);                               \
+                a1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), a1);                          \
+                a2 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb + 32), a2);                          \
+                a3 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 48), a3);                          \
+            }                                                                                      \
+        }                                                                                          \
+        for (; i < nb; i++) {                                                                      \
+            const float *xb = x + i * (qk);                                                        \
+            z_scales_##name(b + i, s);                                                             \
+            for (int g = 0; g < (qk) / 32; g += 2) {                                               \
+                __m512 w[2];                                                                       \
+                z_dec_##name(b + i, g, s, w, 1);                                                   \
+                a0 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + 32 * g), a0);                      \
+                a1 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 32 * g + 16), a1);                 \
+                if (g + 1 < (qk) / 32) {                                                           \
+                    z_dec_##name(b + i, g + 1, s, w, 1);                                           \
+                    a2 = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + 32 * g + 32), a2);             \
+                    a3 = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 32 * g + 48), a3);             \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));  \
+    }                                                                                              \
+    T512 static void z_deq_##name(const void *src, float *dst, int64_t n) {                        \
+        const blk *b = src;                                                                        \
+        float s[16];                                                                               \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            z_scales_##name(b + i, s);                                                             \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                __m512 w[2];                                                                       \
+                z_dec_##name(b + i, g, s, w, 0);                                                   \
+                _mm512_storeu_ps(dst + i * (qk) + 32 * g, w[0]);                                   \
+                _mm512_storeu_ps(dst + i * (qk) + 32 * g + 16, w[1]);                              \
+            }                                                                                      \
+        }                                                                                          \
     }
 
 /* Several tokens per decoded block: two accumulators per token (latency), NT <= 8. */
-#define DEF_MULTI_KERNELS(name, blk, qk)                                                       \
-    T512 static inline __attribute__((always_inline)) void z_dotn_body_##name(              \
-        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,      \
-        int64_t ldo) {                                                                       \
-        __m512 acc[8][2];                                                                    \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
-            acc[t][0] = _mm512_setzero_ps();                                                 \
-            acc[t][1] = _mm512_setzero_ps();                                                 \
-        }                                                                                    \
-        float s[16];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            lm_scales_##name(b + i, s);                                                      \
-            for (int g = 0; g < (qk) / 32; g++) {                                            \
-                __m512 w[2];                                                                 \
-                z_dec_##name(b + i, g, s, w, 1);                                             \
-                const float *xb = x + i * (qk) + 32 * g;                                     \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
-                    acc[t][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + t * ldx), acc[t][0]); \
-                    acc[t][1] =                                                              \
-                        _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + t * ldx + 16), acc[t][1]); \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                              \
-            out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));        \
-        }                                                                                    \
-    }                                                                                        \
-    T512 static void z_dotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,   \
-                                   int nt, float *out, int64_t ldo) {                        \
-        const blk *b = row;                                                                  \
-        switch (nt) {                                                                        \
-        case 1: z_dotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                        \
-        case 2: z_dotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                        \
-        case 3: z_dotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                        \
-        case 4: z_dotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                        \
-        case 5: z_dotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                        \
-        case 6: z_dotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                        \
-        case 7: z_dotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                        \
-        default: z_dotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                       \
-        }                                                                                    \
+#define DEF_MULTI_KERNELS(name, blk, qk)                                                           \
+    T512 static inline __attribute__((always_inline)) void z_dotn_body_##name(                     \
+        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,            \
+        int64_t ldo) {                                                                             \
+        __m512 acc[8][2];                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            acc[t][0] = _mm512_setzero_ps();                                                       \
+            acc[t][1] = _mm512_setzero_ps();                                                       \
+        }                                                                                          \
+        float s[16];                                                                               \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            z_scales_##name(b + i, s);                                                             \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                __m512 w[2];                                                                       \
+                z_dec_##name(b + i, g, s, w, 1);                                                   \
+                const float *xb = x + i * (qk) + 32 * g;                                           \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
+                    acc[t][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + t * ldx), acc[t][0]);   \
+                    acc[t][1] =                                                                    \
+                        _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + t * ldx + 16), acc[t][1]);      \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));              \
+        }                                                                                          \
+    }                                                                                              \
+    T512 static void z_dotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,        \
+                                   int nt, float *out, int64_t ldo) {                              \
+        const blk *b = row;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: z_dotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                              \
+        case 2: z_dotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                              \
+        case 3: z_dotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                              \
+        case 4: z_dotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                              \
+        case 5: z_dotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                              \
+        case 6: z_dotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                              \
+        case 7: z_dotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                              \
+        default: z_dotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                             \
+        }                                                                                          \
     }
 
 DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
@@ -264,35 +332,35 @@ T512 static inline __m512 z_load_f32(const uint8_t *p) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-#define DEF_ELEM_KERNELS(name, esize, conv)                                                    \
-    T512 static float z_dot_##name(const void *row, const float *x, int64_t n) {                \
-        const uint8_t *p = row;                                                              \
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                           \
-        int64_t i = 0;                                                                       \
-        for (; i + 32 <= n; i += 32) {                                                       \
-            a0 = _mm512_fmadd_ps(z_load_##name(p + (esize) * i), _mm512_loadu_ps(x + i), a0);  \
-            a1 = _mm512_fmadd_ps(z_load_##name(p + (esize) * (i + 16)),                        \
-                                 _mm512_loadu_ps(x + i + 16), a1);                           \
-        }                                                                                    \
-        float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                               \
-        for (; i < n; i++) {                                                                 \
-            float v;                                                                         \
-            conv;                                                                            \
-            s += v * x[i];                                                                   \
-        }                                                                                    \
-        return s;                                                                            \
-    }                                                                                        \
-    T512 static void z_deq_##name(const void *src, float *dst, int64_t n) {                     \
-        const uint8_t *p = src;                                                              \
-        int64_t i = 0;                                                                       \
-        for (; i + 16 <= n; i += 16) {                                                       \
-            _mm512_storeu_ps(dst + i, z_load_##name(p + (esize) * i));                         \
-        }                                                                                    \
-        for (; i < n; i++) {                                                                 \
-            float v;                                                                         \
-            conv;                                                                            \
-            dst[i] = v;                                                                      \
-        }                                                                                    \
+#define DEF_ELEM_KERNELS(name, esize, conv)                                                        \
+    T512 static float z_dot_##name(const void *row, const float *x, int64_t n) {                   \
+        const uint8_t *p = row;                                                                    \
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                 \
+        int64_t i = 0;                                                                             \
+        for (; i + 32 <= n; i += 32) {                                                             \
+            a0 = _mm512_fmadd_ps(z_load_##name(p + (esize) * i), _mm512_loadu_ps(x + i), a0);      \
+            a1 = _mm512_fmadd_ps(z_load_##name(p + (esize) * (i + 16)),                            \
+                                 _mm512_loadu_ps(x + i + 16), a1);                                 \
+        }                                                                                          \
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                                     \
+        for (; i < n; i++) {                                                                       \
+            float v;                                                                               \
+            conv;                                                                                  \
+            s += v * x[i];                                                                         \
+        }                                                                                          \
+        return s;                                                                                  \
+    }                                                                                              \
+    T512 static void z_deq_##name(const void *src, float *dst, int64_t n) {                        \
+        const uint8_t *p = src;                                                                    \
+        int64_t i = 0;                                                                             \
+        for (; i + 16 <= n; i += 16) {                                                             \
+            _mm512_storeu_ps(dst + i, z_load_##name(p + (esize) * i));                             \
+        }                                                                                          \
+        for (; i < n; i++) {                                                                       \
+            float v;                                                                               \
+            conv;                                                                                  \
+            dst[i] = v;                                                                            \
+        }                                                                                          \
     }
 
 DEF_ELEM_KERNELS(f16, 2, v = z_half1(lm_load_half(p + 2 * i)))
@@ -318,7 +386,8 @@ T512 static void z_vaxpy_f32(float *y, float a, const float *x, int64_t n) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        const __m512 r = _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i));
+        _mm512_storeu_ps(y + i, r);
     }
     if (i < n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
@@ -340,6 +409,159 @@ T512 static void z_vscale_f32(float *y, float a, int64_t n) {
     }
 }
 
+/* ------------------------------------------------------------------ exp and activations
+ * Cephes-style expf: n = round(x log2 e), r = x - n ln 2 (two-part), degree-6 polynomial,
+ * times 2^n; about 1 ulp. Inputs below -87.3 give exactly 0 (masked logits stay 0). */
+T512 static inline __m512 z_exp(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+T512 static float z_exp_sum(float *x, int64_t n, float mx) {
+    const __m512 vm = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = z_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), vm));
+        _mm512_mask_storeu_ps(x + i, m, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* out = gate * up / (1 + exp(-k * a(gate))), a = identity (silu) or the gelu_tanh argument */
+T512 static inline void z_sigmoid_mul(float *out, const float *gate, const float *up, int64_t n,
+                                      int gelu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+        __m512 a;
+        if (gelu) {
+            const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+            a = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f),
+                              _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+        } else {
+            a = _mm512_sub_ps(_mm512_setzero_ps(), g);
+        }
+        const __m512 num = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(m, up + i));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_div_ps(num, _mm512_add_ps(one, z_exp(a))));
+    }
+}
+
+T512 static void z_silu_mul(float *out, const float *gate, const float *up, int64_t n) {
+    z_sigmoid_mul(out, gate, up, n, 0);
+}
+
+T512 static void z_gelu_mul(float *out, const float *gate, const float *up, int64_t n) {
+    z_sigmoid_mul(out, gate, up, n, 1);
+}
+
+/* ------------------------------------------------------------------ attention rows */
+/* Four dot products reduced together: 16 lanes x 4 -> the 4 sums. */
+T512 static inline __m128 z_reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* each 128-bit lane now holds partial sums of (a0, a1, a2, a3) */
+    const __m512 s = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), hi);
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+T512 static float z_qk_scores(const float *q, const float *k, int64_t ks, int64_t n, int hd,
+                              float scale, float *s) {
+    float mx = -INFINITY;
+    int64_t j = 0;
+    if (hd % 16 == 0) {
+        const __m128 vs = _mm_set1_ps(scale);
+        __m128 vmx = _mm_set1_ps(-INFINITY);
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + j * ks;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int d = 0; d < hd; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(q + d);
+                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
+                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + ks + d), a1);
+                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 2 * ks + d), a2);
+                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 3 * ks + d), a3);
+            }
+            const __m128 r = _mm_mul_ps(z_reduce4(a0, a1, a2, a3), vs);
+            vmx = _mm_max_ps(vmx, r);
+            _mm_storeu_ps(s + j, r);
+        }
+        vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
+        vmx = _mm_max_ss(vmx, _mm_movehdup_ps(vmx));
+        mx = _mm_cvtss_f32(vmx);
+    }
+    for (; j < n; j++) {
+        s[j] = z_vdot_f32(q, k + j * ks, hd) * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    return mx;
+}
+
+T512 static void z_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int hd,
+                          float *out) {
+    /* 64 output dims per pass stay in four registers across all keys */
+    for (int d0 = 0; d0 < hd; d0 += 64) {
+        const int w = hd - d0 < 64 ? hd - d0 : 64;
+        __mmask16 m[4];
+        for (int c = 0; c < 4; c++) {
+            const int left = w - 16 * c;
+            m[c] = left >= 16 ? (__mmask16)0xFFFF
+                   : left > 0 ? (__mmask16)((1u << left) - 1)
+                              : (__mmask16)0;
+        }
+        /* two keys per step into separate accumulators: eight FMA chains in flight */
+        __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+        __m512 e0 = o0, e1 = o0, e2 = o0, e3 = o0;
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2) {
+            const float *vr = v + j * vs + d0;
+            const __m512 pj = _mm512_set1_ps(p[j]), pk = _mm512_set1_ps(p[j + 1]);
+            o0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[0], vr), o0);
+            o1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[1], vr + 16), o1);
+            o2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[2], vr + 32), o2);
+            o3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[3], vr + 48), o3);
+            e0 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[0], vr + vs), e0);
+            e1 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[1], vr + vs + 16), e1);
+            e2 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[2], vr + vs + 32), e2);
+            e3 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[3], vr + vs + 48), e3);
+        }
+        if (j < n) {
+            const float *vr = v + j * vs + d0;
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            o0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[0], vr), o0);
+            o1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[1], vr + 16), o1);
+            o2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[2], vr + 32), o2);
+            o3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[3], vr + 48), o3);
+        }
+        o0 = _mm512_add_ps(o0, e0);
+        o1 = _mm512_add_ps(o1, e1);
+        o2 = _mm512_add_ps(o2, e2);
+        o3 = _mm512_add_ps(o3, e3);
+        _mm512_mask_storeu_ps(out + d0, m[0], o0);
+        _mm512_mask_storeu_ps(out + d0 + 16, m[1], o1);
+        _mm512_mask_storeu_ps(out + d0 + 32, m[2], o2);
+        _mm512_mask_storeu_ps(out + d0 + 48, m[3], o3);
+    }
+}
+
 /* ------------------------------------------------------------------ GEMM micro-kernel
  * 32 weight rows (two vectors) x 12 tokens (broadcasts): 24 accumulators of 32 registers. */
 #define Z_MR 32
@@ -354,11 +576,11 @@ T512 static void z_gemm_32x12(const float *a, const float *b, int64_t k, float *
         const __m512 a0 = _mm512_load_ps(a + p * Z_MR);
         const __m512 a1 = _mm512_load_ps(a + p * Z_MR + 16);
         const float *bp = b + p * Z_NR;
-#define STEP(t)                                                                                \
-    do {                                                                                       \
-        const __m512 bt = _mm512_set1_ps(bp[t]);                                              \
-        c##t##a = _mm512_fmadd_ps(a0, bt, c##t##a);                                           \
-        c##t##b = _mm512_fmadd_ps(a1, bt, c##t##b);                                           \
+#define STEP(t)                                                                                    \
+    do {                                                                                           \
+        const __m512 bt = _mm512_set1_ps(bp[t]);                                                   \
+        c##t##a = _mm512_fmadd_ps(a0, bt, c##t##a);                                                \
+        c##t##b = _mm512_fmadd_ps(a1, bt, c##t##b);                                                \
     } while (0)
         STEP(0);
         STEP(1);
@@ -374,10 +596,10 @@ T512 static void z_gemm_32x12(const float *a, const float *b, int64_t k, float *
         STEP(11);
 #undef STEP
     }
-#define OUT(t)                                                                                 \
-    do {                                                                                       \
-        _mm512_storeu_ps(c + (t) * Z_MR, c##t##a);                                              \
-        _mm512_storeu_ps(c + (t) * Z_MR + 16, c##t##b);                                         \
+#define OUT(t)                                                                                     \
+    do {                                                                                           \
+        _mm512_storeu_ps(c + (t) * Z_MR, c##t##a);                                                 \
+        _mm512_storeu_ps(c + (t) * Z_MR + 16, c##t##b);                                            \
     } while (0)
     OUT(0);
     OUT(1);
@@ -431,8 +653,18 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->dot_f32 = z_vdot_f32;
     k->axpy_f32 = z_vaxpy_f32;
     k->scale_f32 = z_vscale_f32;
+    k->exp_sum = z_exp_sum;
+    k->silu_mul = z_silu_mul;
+    k->gelu_mul = z_gelu_mul;
+    k->qk_scores = z_qk_scores;
+    k->pv_sum = z_pv_sum;
 }
 #undef T512
+#undef z_scales_q4_0
+#undef z_scales_q4_1
+#undef z_scales_q5_0
+#undef z_scales_q5_1
+#undef z_scales_q8_0
 #undef AFFINE
 #undef AFFINE_SUB
 #undef Z_MR

@@ -2,6 +2,8 @@
  * Tensor types: block geometry, and the portable (reference) decoders and dot products.
  * Every SIMD path must agree with these.
  */
+#include <math.h>
+
 #include "lm_internal.h"
 
 /* ------------------------------------------------------------------ geometry */
@@ -201,12 +203,12 @@ static void p_deq_block_q6_K(const block_q6_K *b, float *y) {
     }
 }
 
-#define DEF_DEQ(name, blk, qk)                                                                 \
-    static void p_deq_##name(const void *src, float *dst, int64_t n) {                        \
-        const blk *b = src;                                                                  \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            p_deq_block_##name(b + i, dst + i * (qk));                                         \
-        }                                                                                    \
+#define DEF_DEQ(name, blk, qk)                                                                     \
+    static void p_deq_##name(const void *src, float *dst, int64_t n) {                             \
+        const blk *b = src;                                                                        \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            p_deq_block_##name(b + i, dst + i * (qk));                                             \
+        }                                                                                          \
     }
 
 DEF_DEQ(q4_0, block_q4_0, QK)
@@ -249,38 +251,38 @@ static float p_dot_row_f32(const void *row, const float *x, int64_t n) {
     return p_dot_f32(row, x, n);
 }
 
-#define DEF_DOT_SCALAR(name, conv)                                                             \
-    static float p_dot_##name(const void *row, const float *x, int64_t n) {                     \
-        const uint8_t *p = row;                                                              \
-        float acc[8] = {0};                                                                  \
-        float w[8];                                                                          \
-        int64_t i = 0;                                                                       \
-        for (; i + 8 <= n; i += 8) {                                                         \
-            for (int l = 0; l < 8; l++) {                                                    \
-                w[l] = conv(lm_load_half(p + 2 * (i + l)));                                  \
-            }                                                                                \
-            p_acc8(acc, w, x + i, 8);                                                          \
-        }                                                                                    \
-        float s = p_sum8(acc);                                                                 \
-        for (; i < n; i++) {                                                                 \
-            s += conv(lm_load_half(p + 2 * i)) * x[i];                                       \
-        }                                                                                    \
-        return s;                                                                            \
+#define DEF_DOT_SCALAR(name, conv)                                                                 \
+    static float p_dot_##name(const void *row, const float *x, int64_t n) {                        \
+        const uint8_t *p = row;                                                                    \
+        float acc[8] = {0};                                                                        \
+        float w[8];                                                                                \
+        int64_t i = 0;                                                                             \
+        for (; i + 8 <= n; i += 8) {                                                               \
+            for (int l = 0; l < 8; l++) {                                                          \
+                w[l] = conv(lm_load_half(p + 2 * (i + l)));                                        \
+            }                                                                                      \
+            p_acc8(acc, w, x + i, 8);                                                              \
+        }                                                                                          \
+        float s = p_sum8(acc);                                                                     \
+        for (; i < n; i++) {                                                                       \
+            s += conv(lm_load_half(p + 2 * i)) * x[i];                                             \
+        }                                                                                          \
+        return s;                                                                                  \
     }
 
 DEF_DOT_SCALAR(f16, lm_half_to_float)
 DEF_DOT_SCALAR(bf16, lm_bf16_to_float)
 
-#define DEF_DOT_BLOCK(name, blk, qk)                                                           \
-    static float p_dot_##name(const void *row, const float *x, int64_t n) {                     \
-        const blk *b = row;                                                                  \
-        float acc[8] = {0};                                                                  \
-        float w[qk];                                                                         \
-        for (int64_t i = 0; i < n / (qk); i++) {                                             \
-            p_deq_block_##name(b + i, w);                                                      \
-            p_acc8(acc, w, x + i * (qk), (qk));                                                \
-        }                                                                                    \
-        return p_sum8(acc);                                                                    \
+#define DEF_DOT_BLOCK(name, blk, qk)                                                               \
+    static float p_dot_##name(const void *row, const float *x, int64_t n) {                        \
+        const blk *b = row;                                                                        \
+        float acc[8] = {0};                                                                        \
+        float w[qk];                                                                               \
+        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
+            p_deq_block_##name(b + i, w);                                                          \
+            p_acc8(acc, w, x + i * (qk), (qk));                                                    \
+        }                                                                                          \
+        return p_sum8(acc);                                                                        \
     }
 
 DEF_DOT_BLOCK(q4_0, block_q4_0, QK)
@@ -302,6 +304,57 @@ static void p_axpy_f32(float *y, float a, const float *x, int64_t n) {
 static void p_scale_f32(float *y, float a, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         y[i] *= a;
+    }
+}
+
+static float p_exp_sum(float *x, int64_t n, float mx) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int l = 0; l < 8; l++) {
+            x[i + l] = expf(x[i + l] - mx);
+            acc[l] += x[i + l];
+        }
+    }
+    float s = p_sum8(acc);
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        s += x[i];
+    }
+    return s;
+}
+
+static void p_silu_mul(float *out, const float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        out[i] = g * up[i] / (1.0f + expf(-g));
+    }
+}
+
+/* gelu_tanh(g) = 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3) */
+static void p_gelu_mul(float *out, const float *gate, const float *up, int64_t n) {
+    const float c = 0.7978845608028654f;
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float u = c * (g + 0.044715f * g * g * g);
+        out[i] = g * up[i] / (1.0f + expf(-2.0f * u));
+    }
+}
+
+static float p_qk_scores(const float *q, const float *k, int64_t ks, int64_t n, int hd,
+                         float scale, float *s) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = p_dot_f32(q, k + j * ks, hd) * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    return mx;
+}
+
+static void p_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int hd, float *out) {
+    memset(out, 0, (size_t)hd * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {
+        p_axpy_f32(out, p[j], v + j * vs, hd);
     }
 }
 
@@ -353,6 +406,11 @@ void lm_kernels_portable(lm_kernels *k) {
     k->dot_f32 = p_dot_f32;
     k->axpy_f32 = p_axpy_f32;
     k->scale_f32 = p_scale_f32;
+    k->exp_sum = p_exp_sum;
+    k->silu_mul = p_silu_mul;
+    k->gelu_mul = p_gelu_mul;
+    k->qk_scores = p_qk_scores;
+    k->pv_sum = p_pv_sum;
 }
 
 #undef P_MR

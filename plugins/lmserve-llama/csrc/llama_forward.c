@@ -9,6 +9,7 @@
 #include "llama_forward.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -128,6 +129,50 @@ static void rmsnorm_tokens(lm_pool *pool, float *out, const float *x, const floa
                            int64_t n, int64_t ntok, float eps) {
     rmsnorm_task t = {out, x, weight, n, ntok, eps};
     lm_pool_run(ntok > 1 ? pool : NULL, rmsnorm_run, &t);
+}
+
+/* ============================================================================ one-token projections
+ * Decode (one token) spends much of its time waking the pool, so the independent matrices
+ * that read the same input go through one dispatch, each thread taking a slice of every
+ * matrix's rows. Each output row is one dot product either way: the result is the same as
+ * separate lm_matmul calls. */
+#define MULTI_MAX 3
+
+typedef struct multi_task {
+    int n;
+    const llama_matrix *w[MULTI_MAX];
+    int64_t rows[MULTI_MAX];
+    float *y[MULTI_MAX];     /* (rows[i]) */
+    const float *x;          /* (cols) */
+    int64_t cols;
+    _Atomic int status;
+} multi_task;
+
+static void multi_run(void *ctx, int ith, int nth) {
+    multi_task *t = ctx;
+    for (int i = 0; i < t->n; i++) {
+        const int64_t lo = t->rows[i] * ith / nth, hi = t->rows[i] * (ith + 1) / nth;
+        if (lo == hi) continue;
+        const uint8_t *w = (const uint8_t *)t->w[i]->data;
+        const int64_t rb = lm_row_bytes(t->w[i]->type, t->cols);
+        int rc = lm_matmul(NULL, t->w[i]->type, w + lo * rb, hi - lo, t->cols, t->x, 1,
+                           t->y[i] + lo);
+        if (rc != LM_OK) atomic_store(&t->status, rc);
+    }
+}
+
+/* y_i = W_i · x for up to MULTI_MAX matrices of `cols` columns and one token. */
+static int matmul_one_token(lm_pool *pool, int n, const llama_matrix *const *w,
+                            const int64_t *rows, float *const *y, const float *x, int64_t cols) {
+    multi_task t = {.n = n, .x = x, .cols = cols};
+    for (int i = 0; i < n; i++) {
+        t.w[i] = w[i];
+        t.rows[i] = rows[i];
+        t.y[i] = y[i];
+    }
+    atomic_init(&t.status, LM_OK);
+    lm_pool_run(pool, multi_run, &t);
+    return atomic_load(&t.status);
 }
 
 /* ============================================================================ model lifecycle */
@@ -260,10 +305,16 @@ static int forward_chunk(llama_model *m, llama_cache *cache, const int32_t *toke
 
         /* ---- attention: K and V land straight in their cache rows */
         rmsnorm_tokens(pool, m->xb, m->x, L->attn_norm, D, ntok, c->rms_eps);
-        if ((rc = lm_matmul(pool, L->wq.type, L->wq.data, QD, D, m->xb, ntok, m->q)) ||
-            (rc = lm_matmul(pool, L->wk.type, L->wk.data, KVD, D, m->xb, ntok, k_new)) ||
-            (rc = lm_matmul(pool, L->wv.type, L->wv.data, KVD, D, m->xb, ntok, v_new)))
+        if (ntok == 1) {
+            const llama_matrix *w[3] = {&L->wq, &L->wk, &L->wv};
+            const int64_t rows[3] = {QD, KVD, KVD};
+            float *y[3] = {m->q, k_new, v_new};
+            if ((rc = matmul_one_token(pool, 3, w, rows, y, m->xb, D))) return rc;
+        } else if ((rc = lm_matmul(pool, L->wq.type, L->wq.data, QD, D, m->xb, ntok, m->q)) ||
+                   (rc = lm_matmul(pool, L->wk.type, L->wk.data, KVD, D, m->xb, ntok, k_new)) ||
+                   (rc = lm_matmul(pool, L->wv.type, L->wv.data, KVD, D, m->xb, ntok, v_new))) {
             return rc;
+        }
         rope_task rt = {c, m->q, k_new, ntok, pos0};
         lm_pool_run(ntok > 1 ? pool : NULL, rope_run, &rt);
         rc = lm_attention(pool, m->q, kc, vc, m->att, ntok, pos0, c->n_head, c->n_kv_head,
@@ -275,9 +326,17 @@ static int forward_chunk(llama_model *m, llama_cache *cache, const int32_t *toke
 
         /* ---- feed-forward */
         rmsnorm_tokens(pool, m->xb, m->x, L->ffn_norm, D, ntok, c->rms_eps);
-        if ((rc = lm_matmul(pool, L->w_gate.type, L->w_gate.data, FF, D, m->xb, ntok, m->hb)) ||
-            (rc = lm_matmul(pool, L->w_up.type, L->w_up.data, FF, D, m->xb, ntok, m->hb2)))
+        if (ntok == 1) {
+            const llama_matrix *w[2] = {&L->w_gate, &L->w_up};
+            const int64_t rows[2] = {FF, FF};
+            float *y[2] = {m->hb, m->hb2};
+            if ((rc = matmul_one_token(pool, 2, w, rows, y, m->xb, D))) return rc;
+        } else if ((rc = lm_matmul(pool, L->w_gate.type, L->w_gate.data, FF, D, m->xb, ntok,
+                                   m->hb)) ||
+                   (rc = lm_matmul(pool, L->w_up.type, L->w_up.data, FF, D, m->xb, ntok,
+                                   m->hb2))) {
             return rc;
+        }
         silu_task st = {m->hb, m->hb2, ntok * FF};
         lm_pool_run(ntok > 1 ? pool : NULL, silu_run, &st);
         if ((rc = lm_matmul(pool, L->w_down.type, L->w_down.data, D, FF, m->hb, ntok, m->xb)))

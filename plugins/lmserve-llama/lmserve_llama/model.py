@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.model import KVCache
 
 from ._forward import ffi, lib
 from .config import LlamaConfig
@@ -27,9 +28,16 @@ NORM_TYPES: tuple[int, ...] = (0,)  # f32: the norms are read as plain float arr
 DEFAULT_BATCH = 256
 
 _LAYER_TENSORS = (
-    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
-)  # fmt: skip
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
 
 
 class LlamaError(RuntimeError):
@@ -79,9 +87,13 @@ class LlamaModel:
     """The llama forward pass over a mapped GGUF (weights are never copied)."""
 
     def __init__(
-        self, gguf: GGUFFile, config: LlamaConfig, *, n_threads: int = 0,
+        self,
+        gguf: GGUFFile,
+        config: LlamaConfig,
+        *,
+        n_threads: int = 0,
         n_batch: int = DEFAULT_BATCH,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if n_batch <= 0:
             raise ValueError(f"n_batch must be positive, got {n_batch}")
         self.gguf = gguf  # owns the mapping every weight pointer points into
@@ -145,7 +157,7 @@ class LlamaModel:
         return LlamaCache(self, n_ctx)
 
     def forward(
-        self, cache: LlamaCache, tokens: Sequence[int], pos: int, *, all_logits: bool = False
+        self, cache: KVCache, tokens: Sequence[int], pos: int, *, all_logits: bool = False
     ) -> np.ndarray:
         """Run ``tokens`` at ``pos..``; float32 logits of the last token or of all of them."""
         ptr = self._cache_ptr(cache)
@@ -162,14 +174,18 @@ class LlamaModel:
         logits = np.empty((n, self.n_vocab) if all_logits else (self.n_vocab,), np.float32)
         with self._lock:
             status = lib.llama_forward(
-                self._ptr, ptr, ffi.cast("int32_t *", ffi.from_buffer(ids32)), n, pos,
+                self._ptr,
+                ptr,
+                ffi.cast("int32_t *", ffi.from_buffer(ids32)),
+                n,
+                pos,
                 ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
                 1 if all_logits else 0,
-            )  # fmt: skip
+            )
         _check(status, "llama_forward")
         return logits
 
-    def copy_rows(self, src: LlamaCache, dst: LlamaCache, n: int) -> None:
+    def copy_rows(self, src: KVCache, dst: KVCache, n: int) -> None:
         """Copy cache rows ``[0, n)`` of every layer from ``src`` into ``dst``."""
         src_ptr, dst_ptr = self._cache_ptr(src), self._cache_ptr(dst)
         if n < 0 or n > src.n_ctx or n > dst.n_ctx:
@@ -187,7 +203,7 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ helpers
 
-    def _cache_ptr(self, cache: LlamaCache) -> Any:
+    def _cache_ptr(self, cache: KVCache) -> Any:
         if self._ptr is None:
             raise RuntimeError("the model is closed")
         if not isinstance(cache, LlamaCache) or cache.model is not self:

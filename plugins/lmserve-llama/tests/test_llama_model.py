@@ -33,8 +33,14 @@ def test_config_reads_llama_keys(tmp_path: Path) -> None:
 
 
 def test_config_defaults_for_optional_keys(tmp_path: Path) -> None:
-    spec = TinySpec(drop_metadata=("attention.head_count_kv", "rope.dimension_count",
-                                   "rope.freq_base", "vocab_size"))  # fmt: skip
+    spec = TinySpec(
+        drop_metadata=(
+            "attention.head_count_kv",
+            "rope.dimension_count",
+            "rope.freq_base",
+            "vocab_size",
+        )
+    )
     gguf, _ = open_tiny(tmp_path, spec)
     cfg = LlamaConfig.from_gguf(gguf)
     assert cfg.n_kv_head == 4 and cfg.n_rot == 16 and cfg.rope_freq_base == 10000.0

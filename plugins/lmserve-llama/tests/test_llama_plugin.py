@@ -58,8 +58,12 @@ def test_default_model_is_the_smollm2_file(smollm2: str) -> None:
 def test_conventions_are_llama_cpp_defaults() -> None:
     s = plugin.SAMPLING
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty) == (
-        0.8, 40, 0.95, 0.05, 1.0
-    )  # fmt: skip
+        0.8,
+        40,
+        0.95,
+        0.05,
+        1.0,
+    )
     caps = plugin.CAPABILITIES
     assert caps.grammar and not caps.reasoning and caps.tool_style == "none"
 

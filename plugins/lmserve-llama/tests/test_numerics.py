@@ -36,28 +36,32 @@ PERPLEXITY_DATA = Path(__file__).resolve().parents[3] / "tests" / "data" / "perp
 TEXT = PERPLEXITY_DATA / "text.txt"
 LLAMACPP = PERPLEXITY_DATA / "smollm2_llamacpp.json"
 
-# Measured max |ours - transformers| over every position of the prompts below: ~1e-4 on
-# logits whose magnitude reaches ~35 (float32 rounding differences only: the two sum the
-# same products in different orders). The bound leaves 10x headroom for kernels (ISA paths,
+# Measured max |ours - transformers| over every position of the prompts below: 1.4e-4 to
+# 1.8e-4 (mean 1.5e-5) on logits whose magnitude reaches 38-44: float32 rounding only, the
+# two sum the same products in different orders. The bound leaves 10x headroom for kernels (ISA paths,
 # thread counts) that change the summation order; a real bug (a wrong rope pair, a missed
 # norm, an off-by-one row) moves logits by whole units.
 LOGIT_ATOL = 1e-3
-# Batched prefill and token-by-token decode run the same kernels over the same cache rows;
-# they differ only where the GEMM and the per-row dot product round differently.
-PREFILL_DECODE_ATOL = 1e-4
+# Batched prefill (GEMM micro-kernel) and token-by-token decode (per-row dot products) read
+# the same weights and cache rows but sum in different orders: measured ~1.2e-4 at most,
+# the same size as their distance to transformers, so the bound is that of float32
+# rounding at this logit scale, not of any cache-path error (which would be whole units).
+PREFILL_DECODE_ATOL = 5e-4
 
 PROMPTS = [
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     "Explain in two sentences why the sky is blue, and then give one example of Rayleigh "
-    "scattering that a child could observe at home.<|im_end|>\n<|im_start|>assistant\n",
+    "scattering that a child could observe at home. Keep the answer short, friendly and free "
+    "of jargon, and end it with a question for the reader.<|im_end|>\n<|im_start|>assistant\n",
     'def fibonacci(n: int) -> list[int]:\n    """Return the first n Fibonacci numbers."""\n'
     "    out = [0, 1]\n    while len(out) < n:\n        out.append(out[-1] + out[-2])\n"
     "    return out[:n]\n\nprint(fibonacci(",
     "The history of the bicycle begins in the early nineteenth century, when inventors in "
-    "Germany and France built wooden machines that riders pushed along with their feet. Over "
-    "the following decades",
+    "Germany and France built wooden machines that riders pushed along with their feet. Pedals "
+    "attached to the front wheel came next, then the high-wheeled machines of the 1870s, and "
+    "finally the safety bicycle with its chain drive and two wheels of equal size. Over the "
+    "following decades",
 ]
-PROMPT_TOKENS = 64
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -89,7 +93,9 @@ def tokenizer(gguf: GGUFFile) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: str) -> Any:
-    torch.set_num_threads(2)
+    # One thread: on a busy 2-core machine torch's OpenMP barriers stall whenever the other
+    # core is taken (a 64-token forward measured 5 s with two threads, 0.35 s with one).
+    torch.set_num_threads(1)
     directory, name = os.path.split(gguf_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32
@@ -99,13 +105,22 @@ def reference(gguf_path: str) -> Any:
 
 @pytest.fixture(scope="module")
 def text_ids(tokenizer: Tokenizer) -> list[int]:
-    return tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_special=True)
+    # As llama-perplexity reads it: the file without its trailing newline, tokenized whole.
+    return tokenizer.encode(TEXT.read_text(encoding="utf-8").removesuffix("\n"), add_special=True)
+
+
+@pytest.fixture(scope="module")
+def llamacpp() -> dict[str, Any]:
+    """llama-perplexity's run on the same text: its chunking rule, tokens and figure."""
+    if not LLAMACPP.exists():
+        pytest.skip(f"{LLAMACPP.name} (the llama.cpp reference run) is missing")
+    return dict(json.loads(LLAMACPP.read_text(encoding="utf-8")))
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     ids = tokenizer.encode(prompt, add_special=True, parse_special=True)
-    assert len(ids) >= 24, "prompt too short to be a useful check"
-    return ids[:PROMPT_TOKENS]
+    assert 48 <= len(ids) <= 96, "prompts are written to be about 64 tokens"
+    return ids
 
 
 def reference_logits(reference: Any, ids: list[int]) -> np.ndarray:
@@ -162,46 +177,35 @@ def chunk_nll(logits: np.ndarray, ids: list[int], first: int) -> tuple[float, in
     return float(nll.sum()), len(targets)
 
 
-def llamacpp_rule() -> dict[str, Any]:
-    """The chunking of llama-perplexity and its figure (when the reference run is stored)."""
-    rule: dict[str, Any] = {"n_ctx": 256, "n_chunks": None, "ppl": None}
-    if LLAMACPP.exists():
-        rule.update(json.loads(LLAMACPP.read_text(encoding="utf-8")))
-    return rule
-
-
 def test_perplexity_matches_transformers(
-    ours: LlamaModel, reference: Any, text_ids: list[int]
+    ours: LlamaModel, reference: Any, llamacpp: dict[str, Any]
 ) -> None:
-    rule = llamacpp_rule()
-    n_ctx = int(rule["n_ctx"])
-    # llama-perplexity: independent chunks of n_ctx tokens, each scored on its second half
-    # (predictions from position n_ctx/2 on), perplexity = exp(mean NLL over all chunks).
+    # llama-perplexity's rule (stated in the JSON): independent chunks of n_ctx tokens, each
+    # run from an empty cache; the logits at positions n_ctx/2 .. n_ctx-2 score the next
+    # token (127 per chunk at 256); perplexity = exp(mean NLL over every scored token).
+    tokens = list(llamacpp["tokens"])  # llama.cpp's own ids: the comparison is tokenizer-free
+    n_ctx, n_chunks = int(llamacpp["ctx"]), int(llamacpp["n_chunks"])
+    assert n_chunks == len(tokens) // n_ctx
     first = n_ctx // 2
-    n_chunks = len(text_ids) // n_ctx
-    if rule["n_chunks"]:
-        n_chunks = min(n_chunks, int(rule["n_chunks"]))
-    assert n_chunks >= 2
     cache = ours.new_cache(n_ctx)
     totals = {"ours": 0.0, "transformers": 0.0}
     count = 0
     for c in range(n_chunks):
-        ids = text_ids[c * n_ctx : (c + 1) * n_ctx]
+        ids = tokens[c * n_ctx : (c + 1) * n_ctx]
         nll, n = chunk_nll(ours.forward(cache, ids, 0, all_logits=True), ids, first)
         totals["ours"] += nll
         totals["transformers"] += chunk_nll(reference_logits(reference, ids), ids, first)[0]
         count += n
+    assert count == int(llamacpp["tokens_scored"])
     ppl = {name: math.exp(total / count) for name, total in totals.items()}
-    llamacpp = rule["ppl"]
+    ppl["llama.cpp"] = float(llamacpp["ppl"])
     print(
         f"perplexity over {n_chunks} chunks of {n_ctx} ({count} scored tokens): "
-        f"ours {ppl['ours']:.4f}, transformers {ppl['transformers']:.4f}, "
-        f"llama.cpp {llamacpp if llamacpp is not None else 'n/a'}"
+        + ", ".join(f"{name} {value:.6f}" for name, value in ppl.items())
     )
     ours_gap = abs(ppl["ours"] - ppl["transformers"])
-    if llamacpp is not None:
-        assert ours_gap <= abs(float(llamacpp) - ppl["transformers"])
-    # Same math up to float32 rounding: the figures agree to a few parts per million.
+    assert ours_gap <= abs(ppl["llama.cpp"] - ppl["transformers"])
+    # Same math up to float32 rounding: the two agree to a few parts per million.
     assert ours_gap <= 1e-4 * ppl["transformers"]
 
 
@@ -222,14 +226,15 @@ def test_chunked_prefill_and_prefix_resume(gguf: GGUFFile, tokenizer: Tokenizer)
     # n_batch 16 pushes the prompt through in several chunks; resuming at a split position
     # over a copied prefix must give the same rows as one pass.
     small = LlamaModel.load(gguf, n_threads=2, n_batch=16)
-    ids = prompt_ids(tokenizer, PROMPTS[2])
+    ids = prompt_ids(tokenizer, PROMPTS[1])
+    split = 37  # inside the third chunk of the single pass
     whole = our_logits(small, ids)
     donor = small.new_cache(len(ids))
-    small.forward(donor, ids[:40], 0)
+    small.forward(donor, ids[:split], 0)
     cache = small.new_cache(len(ids))
-    small.copy_rows(donor, cache, 40)
-    rest = small.forward(cache, ids[40:], 40, all_logits=True)
-    assert np.abs(rest - whole[40:]).max() < PREFILL_DECODE_ATOL
+    small.copy_rows(donor, cache, split)
+    rest = small.forward(cache, ids[split:], split, all_logits=True)
+    assert np.abs(rest - whole[split:]).max() < PREFILL_DECODE_ATOL
 
 
 # ---------------------------------------------------------------------------- (e) greedy
@@ -243,10 +248,13 @@ def test_greedy_continuation_matches_transformers(
     n_new = 32
     with torch.no_grad():
         out = reference.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n_new, do_sample=False, num_beams=1,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n_new,
+            do_sample=False,
+            num_beams=1,
             pad_token_id=reference.config.eos_token_id,
-        )  # fmt: skip
+        )
     want = out[0, len(ids) :].tolist()  # shorter than n_new when it ends with EOS
 
     cache = ours.new_cache(len(ids) + n_new)
