@@ -25,8 +25,9 @@ def smollm2_path() -> Path:
 
 
 def bench_ours(model_path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict[str, float]:
-    from lmserve_core.gguf_file import GGUFFile
     from lmserve_llama.model import LlamaModel
+
+    from lmserve_core.gguf_file import GGUFFile
 
     gguf = GGUFFile.open(model_path)
     model = LlamaModel.load(gguf, n_threads=threads)

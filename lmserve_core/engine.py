@@ -19,7 +19,7 @@ import structlog
 
 from .backend import Backend
 from .errors import LmserveError, QueueFull, ShuttingDown
-from .events import ErrorEvent, Event, Finish, TextDelta, ToolCallEvent, ReasoningDelta, Usage
+from .events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
 from .plugins import pm
 from .request import NormalizedRequest
 

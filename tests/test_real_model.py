@@ -9,7 +9,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from conftest import API_KEY
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
