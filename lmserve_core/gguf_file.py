@@ -1,69 +1,190 @@
 """Validated, memory-mapped access to GGUF model files.
 
-The header is parsed with bounds checks on every read, so a truncated, malformed or hostile
-file raises :class:`GGUFError` instead of crashing or allocating without limit. Tensor data is
-never copied: each :class:`TensorInfo` carries a zero-copy ``uint8`` view into the mapping, and
-every size and offset has been checked before such a view can reach native code.
+The ``gguf`` package's reader parses the file (memory-mapped); this module turns whatever it
+raises on a truncated, malformed or hostile file into :class:`GGUFError`, and re-checks every
+tensor's type, shape, alignment and extent against the file itself before a view of its bytes
+can reach native code. Tensor data is never copied: each :class:`TensorInfo` carries a
+zero-copy ``uint8`` view into the mapping.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import numpy as np
-from gguf.constants import (
-    GGML_QUANT_SIZES,
-    GGUF_DEFAULT_ALIGNMENT,
-    GGUF_MAGIC,
-    GGMLQuantizationType,
-    GGUFValueType,
-)
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 __all__ = ["GGUFError", "GGUFFile", "TensorInfo", "SUPPORTED_VERSIONS"]
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
-
-# (struct format, size) of each scalar value type, little-endian.
-_SCALARS: dict[int, tuple[str, int]] = {
-    GGUFValueType.UINT8: ("<B", 1),
-    GGUFValueType.INT8: ("<b", 1),
-    GGUFValueType.UINT16: ("<H", 2),
-    GGUFValueType.INT16: ("<h", 2),
-    GGUFValueType.UINT32: ("<I", 4),
-    GGUFValueType.INT32: ("<i", 4),
-    GGUFValueType.FLOAT32: ("<f", 4),
-    GGUFValueType.UINT64: ("<Q", 8),
-    GGUFValueType.INT64: ("<q", 8),
-    GGUFValueType.FLOAT64: ("<d", 8),
-    GGUFValueType.BOOL: ("<?", 1),
-}
-_NUMPY_SCALARS: dict[int, str] = {
-    GGUFValueType.UINT8: "<u1",
-    GGUFValueType.INT8: "<i1",
-    GGUFValueType.UINT16: "<u2",
-    GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4",
-    GGUFValueType.INT32: "<i4",
-    GGUFValueType.FLOAT32: "<f4",
-    GGUFValueType.UINT64: "<u8",
-    GGUFValueType.INT64: "<i8",
-    GGUFValueType.FLOAT64: "<f8",
-    GGUFValueType.BOOL: "?",
-}
-_MAX_ARRAY_DEPTH = 4
+# Arrays of strings are read element by element; real vocabularies hold a few hundred
+# thousand entries, so this bounds what a hostile file can make the reader allocate.
+MAX_ARRAY_ITEMS = 1 << 22
 
 
 class GGUFError(ValueError):
     """The file is not a GGUF this server can use; the message names the file and the fault."""
+
+
+class _Malformed(ValueError):
+    """Raised inside the reader; ``open`` adds the file and the place."""
+
+
+class _BoundedReader(GGUFReader):
+    """The gguf package's reader, made safe for hostile files.
+
+    The reader walks arrays element by element and trusts every count it reads, and past
+    the end of the mapping its reads come back empty instead of failing: one absurd array
+    length would loop (and allocate) without end. Here every read is bounded, an array is
+    refused up front when its count cannot fit in the rest of the file, and faults are
+    reported by name. Tensor data views are made by ``GGUFFile`` after its own checks.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.tensor_infos: list[Any] = []
+        super().__init__(path)
+
+    def _get(  # type: ignore[override]
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        count = int(count)
+        if offset < 0 or count < 0 or offset + np.dtype(dtype).itemsize * count > len(self.data):
+            raise _Malformed("truncated header: a value runs past the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[override]
+        length = int(self._get(offset, np.uint64)[0])
+        if length > len(self.data) - offset - 8:
+            raise _Malformed(f"truncated header: a string of {length} bytes runs past the end")
+        return super()._get_str(offset)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        raw_type = int(raw_type)
+        if raw_type not in _VALUE_TYPES:
+            raise _Malformed(f"unknown value type {raw_type}")
+        if raw_type == GGUFValueType.ARRAY:
+            item_part = self._get(orig_offs, np.uint32)
+            count_part = self._get(orig_offs + 4, np.uint64)
+            item_type, count = int(item_part[0]), int(count_part[0])
+            if item_type not in _VALUE_TYPES:
+                raise _Malformed(f"unknown array item type {item_type}")
+            scalar = self.gguf_scalar_to_np.get(GGUFValueType(item_type))
+            smallest = np.dtype(scalar).itemsize if scalar is not None else 8  # a length head
+            if count * smallest > len(self.data) - (orig_offs + 12):
+                raise _Malformed(
+                    f"truncated header: an array of {count} items cannot fit in the rest "
+                    "of the file"
+                )
+            if scalar is not None:
+                # One view for the whole array; the base reader makes one per element.
+                values = self._get(orig_offs + 12, scalar, count)
+                types = [GGUFValueType.ARRAY, GGUFValueType(item_type)]
+                return 12 + int(values.nbytes), [item_part, count_part, values], [2], types
+            if count > MAX_ARRAY_ITEMS:
+                raise _Malformed(f"an array of {count} strings or arrays is too large")
+            if item_type == GGUFValueType.STRING:
+                return self._string_array(orig_offs, item_part, count_part, count)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array(
+        self, orig_offs: int, item_part: np.ndarray, count_part: np.ndarray, count: int
+    ) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
+        # The same parts the base reader builds (a length and a data part per string), but
+        # walked with struct over a memoryview: vocabularies have 10^5 strings.
+        view = memoryview(self.data)  # type: ignore[arg-type]
+        end = len(view)
+        parts: list[Any] = [item_part, count_part]
+        data_idxs: list[int] = []
+        offs = orig_offs + 12
+        unpack = _U64.unpack_from
+        for _ in range(count):
+            if offs + 8 > end:
+                raise _Malformed("truncated header: a string runs past the end of the file")
+            (length,) = unpack(view, offs)
+            if length > end - offs - 8:
+                raise _Malformed(f"truncated header: a string of {length} bytes runs past the end")
+            parts.append(view[offs : offs + 8])
+            data_idxs.append(len(parts))
+            parts.append(view[offs + 8 : offs + 8 + length])
+            offs += 8 + length
+        types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
+        return offs - orig_offs, parts, data_idxs, types
+
+    def _push_field(self, field: Any, skip_sum: bool = False) -> int:
+        if field.name in self.fields:
+            raise _Malformed(f"duplicate metadata key {field.name!r}")
+        return int(super()._push_field(field, skip_sum))
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        # Each pair takes at least 8 (key length) + 4 (type) + 1 bytes: refuse absurd counts
+        # before looping over them.
+        if int(count) * 13 > len(self.data) - offs:
+            raise _Malformed(f"metadata count {int(count)} is impossible for this file size")
+        try:
+            return int(super()._build_fields(offs, count))
+        except Exception as exc:
+            raise _Malformed(f"metadata {self._failing_key(offs)}: {_reason(exc)}") from None
+
+    def _failing_key(self, first: int) -> str:
+        """The key of the pair after the last one read (the one that failed)."""
+        offs = first
+        pairs = [f for name, f in self.fields.items() if not name.startswith("GGUF.")]
+        if pairs:
+            offs = int(pairs[-1].offset) + sum(int(p.nbytes) for p in pairs[-1].parts)
+        try:
+            length = int(self._get(offs, np.uint64)[0])
+            if length > 4096:
+                raise _Malformed("key too long")
+            return repr(bytes(self._get(offs + 8, np.uint8, length)).decode(errors="replace"))
+        except _Malformed:
+            return f"pair #{len(pairs)}"
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        align = self.fields.get("general.alignment")
+        if align is not None:
+            value = align.contents()
+            if align.types != [GGUFValueType.UINT32] or value <= 0 or value & (value - 1):
+                raise _Malformed(f"invalid general.alignment {value!r} (a power of two, uint32)")
+        # Each tensor info takes at least 8 + 4 + 4 + 8 bytes.
+        if int(count) * 24 > len(self.data) - offs:
+            raise _Malformed(f"tensor count {int(count)} is impossible for this file size")
+        try:
+            return super()._build_tensor_info(offs, count)  # type: ignore[no-any-return]
+        except _Malformed:
+            raise
+        except Exception as exc:
+            raise _Malformed(f"tensor table: {_reason(exc)}") from None
+
+    def _get_tensor_info_field(self, orig_offs: int) -> Any:
+        name_len, name_data = self._get_str(orig_offs)
+        name = bytes(name_data).decode(errors="replace")
+        n_dims = int(self._get(orig_offs + 8 + int(name_len[0]), np.uint32)[0])
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise _Malformed(f"tensor {name!r}: {n_dims} dimensions (must be 1..{MAX_DIMS})")
+        return super()._get_tensor_info_field(orig_offs)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        # GGUFFile validates the table and makes the data views itself.
+        self.tensor_infos = fields
+
+
+_VALUE_TYPES = {int(t) for t in GGUFValueType}
+_U64 = struct.Struct("<Q")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, _Malformed):
+        return str(exc)
+    text = str(exc) or type(exc).__name__
+    return "corrupt header: " + (text if len(text) < 200 else text[:200] + "...")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,100 +216,6 @@ class TensorInfo:
         return cols // block * size
 
 
-class _Cursor:
-    """Bounds-checked little-endian reader over the mapped header."""
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf = buf
-        self.size = len(buf)
-        self.pos = 0
-        self.path = path
-
-    def fail(self, what: str) -> GGUFError:
-        return GGUFError(f"{self.path}: {what}")
-
-    def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > self.size:
-            raise self.fail(f"truncated header while reading {what} at offset {self.pos}")
-
-    def scalar(self, vtype: int, what: str) -> Any:
-        fmt, n = _SCALARS[vtype]
-        self.need(n, what)
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
-        return value
-
-    def u32(self, what: str) -> int:
-        return int(self.scalar(GGUFValueType.UINT32, what))
-
-    def u64(self, what: str) -> int:
-        return int(self.scalar(GGUFValueType.UINT64, what))
-
-    def string(self, what: str) -> str:
-        n = self.u64(f"length of {what}")
-        self.need(n, what)
-        raw = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            # Keep the file usable: a stray byte in one token must not make the model unloadable.
-            return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
-        if vtype in _SCALARS:
-            return self.scalar(vtype, what)
-        if vtype == GGUFValueType.STRING:
-            return self.string(what)
-        if vtype == GGUFValueType.ARRAY:
-            if depth >= _MAX_ARRAY_DEPTH:
-                raise self.fail(f"{what}: arrays nested too deeply")
-            itype = self.u32(f"element type of {what}")
-            count = self.u64(f"element count of {what}")
-            return self.array(itype, count, what, depth + 1)
-        raise self.fail(f"{what}: unknown value type {vtype}")
-
-    def array(self, itype: int, count: int, what: str, depth: int) -> list[Any]:
-        if itype in _NUMPY_SCALARS:
-            _, n = _SCALARS[itype]
-            self.need(count * n, f"{what} ({count} elements)")
-            arr = np.frombuffer(self.buf, dtype=_NUMPY_SCALARS[itype], count=count, offset=self.pos)
-            self.pos += count * n
-            return arr.tolist()
-        if itype == GGUFValueType.STRING:
-            # Every string needs at least its 8-byte length: this bounds `count` by the file size.
-            self.need(count * 8, f"{what} ({count} strings)")
-            return self._strings(count, what)
-        if itype == GGUFValueType.ARRAY:
-            # An array header is at least 12 bytes.
-            self.need(count * 12, f"{what} ({count} arrays)")
-            return [self.value(GGUFValueType.ARRAY, what, depth) for _ in range(count)]
-        raise self.fail(f"{what}: unknown array element type {itype}")
-
-    def _strings(self, count: int, what: str) -> list[str]:
-        buf, size, pos = self.buf, self.size, self.pos
-        unpack = struct.Struct("<Q").unpack_from
-        out: list[str] = []
-        append = out.append
-        for i in range(count):
-            if pos + 8 > size:
-                self.pos = pos
-                raise self.fail(f"truncated header in {what}[{i}] at offset {pos}")
-            (n,) = unpack(buf, pos)
-            pos += 8
-            if pos + n > size:
-                self.pos = pos
-                raise self.fail(f"truncated header in {what}[{i}] at offset {pos}")
-            raw = buf[pos : pos + n]
-            pos += n
-            try:
-                append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                append(raw.decode("utf-8", errors="replace"))
-        self.pos = pos
-        return out
-
-
 class GGUFFile:
     """A GGUF file opened read-only and memory-mapped; use :meth:`open`."""
 
@@ -208,7 +235,6 @@ class GGUFFile:
         tensors: dict[str, TensorInfo],
         alignment: int,
         data_offset: int,
-        mapping: mmap.mmap | None,
     ) -> None:
         self.path = path
         self.version = version
@@ -217,7 +243,6 @@ class GGUFFile:
         self.alignment = alignment
         self.data_offset = data_offset
         self.architecture = str(metadata.get("general.architecture", ""))
-        self._mmap = mapping
 
     # -- construction -------------------------------------------------------------------------
 
@@ -227,94 +252,64 @@ class GGUFFile:
         p = Path(path)
         try:
             with open(p, "rb") as fh:
+                head = fh.read(8)
                 size = os.fstat(fh.fileno()).st_size
-                if size == 0:
-                    raise GGUFError(f"{p}: file is empty, not a GGUF file")
-                mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
             raise GGUFError(f"{p}: cannot open: {exc.strerror or exc}") from exc
+        if size == 0:
+            raise GGUFError(f"{p}: file is empty, not a GGUF file")
+        if len(head) < 8 or head[:4] != b"GGUF":
+            raise GGUFError(f"{p}: not a GGUF file (bad magic {head[:4]!r})")
+        version = int.from_bytes(head[4:8], "little")
+        if version & 0xFFFF == 0:
+            raise GGUFError(f"{p}: big-endian GGUF files are not supported")
+        if version not in SUPPORTED_VERSIONS:
+            raise GGUFError(
+                f"{p}: unsupported GGUF version {version} (supported: {list(SUPPORTED_VERSIONS)})"
+            )
+        if size < 24:
+            raise GGUFError(f"{p}: truncated header: the file is only {size} bytes")
         try:
-            return cls._parse(p, mapping)
-        except BaseException:
-            # Views made during parsing may still be referenced by the traceback; the
-            # mapping is then released by the garbage collector instead.
-            with contextlib.suppress(BufferError):
-                mapping.close()
-            raise
+            reader = _BoundedReader(p)
+        except OSError as exc:
+            raise GGUFError(f"{p}: cannot open: {exc.strerror or exc}") from exc
+        except Exception as exc:  # the reader fails in many ways on a corrupt header
+            raise GGUFError(f"{p}: {_reason(exc)}") from exc
+        return cls._validate(p, version, size, reader)
 
     @classmethod
-    def _parse(cls, path: Path, mapping: mmap.mmap) -> GGUFFile:
-        cur = _Cursor(mapping, path)
-        if cur.size < 24:
-            raise cur.fail(f"file too small for a GGUF header ({cur.size} bytes)")
-        magic = struct.unpack_from("<I", mapping, 0)[0]
-        if magic != GGUF_MAGIC:
-            raise cur.fail(f"not a GGUF file (bad magic {mapping[0:4]!r})")
-        cur.pos = 4
-        version = cur.u32("version")
-        if version & 0xFFFF == 0 and version != 0:
-            raise cur.fail("big-endian GGUF files are not supported")
-        if version not in SUPPORTED_VERSIONS:
-            raise cur.fail(
-                f"unsupported GGUF version {version} (supported: {list(SUPPORTED_VERSIONS)})"
-            )
-        n_tensors = cur.u64("tensor count")
-        n_kv = cur.u64("metadata count")
-        remaining = cur.size - cur.pos
-        # A key/value pair takes at least 8 (key length) + 4 (type) + 1 bytes, a tensor info
-        # at least 8 + 4 + 4 + 8: absurd counts are rejected before any loop runs.
-        if n_kv * 13 > remaining:
-            raise cur.fail(f"metadata count {n_kv} is impossible for a {cur.size}-byte file")
-        if n_tensors * 24 > remaining:
-            raise cur.fail(f"tensor count {n_tensors} is impossible for a {cur.size}-byte file")
+    def _validate(cls, path: Path, version: int, size: int, reader: _BoundedReader) -> GGUFFile:
+        def fail(what: str) -> GGUFError:
+            return GGUFError(f"{path}: {what}")
 
         metadata: dict[str, Any] = {}
-        for i in range(n_kv):
-            key = cur.string(f"metadata key #{i}")
-            vtype = cur.u32(f"type of {key!r}")
-            if key in metadata:
-                raise cur.fail(f"duplicate metadata key {key!r}")
-            metadata[key] = cur.value(vtype, f"metadata {key!r}")
-
-        alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if (
-            not isinstance(alignment, int)
-            or isinstance(alignment, bool)
-            or alignment <= 0
-            or alignment & (alignment - 1)
-        ):
-            raise cur.fail(f"invalid general.alignment {alignment!r}")
-
-        infos: list[tuple[str, tuple[int, ...], int, int]] = []
-        seen: set[str] = set()
-        for i in range(n_tensors):
-            name = cur.string(f"name of tensor #{i}")
-            if name in seen:
-                raise cur.fail(f"duplicate tensor name {name!r}")
-            seen.add(name)
-            n_dims = cur.u32(f"dimension count of tensor {name!r}")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise cur.fail(f"tensor {name!r}: {n_dims} dimensions (must be 1..{MAX_DIMS})")
-            ne = tuple(cur.u64(f"dimensions of tensor {name!r}") for _ in range(n_dims))
-            ggml_type = cur.u32(f"type of tensor {name!r}")
-            rel = cur.u64(f"offset of tensor {name!r}")
-            infos.append((name, ne, ggml_type, rel))
-
-        pad = cur.pos % alignment
-        data_offset = cur.pos + (alignment - pad if pad else 0)
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                metadata[key] = field.contents()
+            except Exception as exc:
+                raise fail(f"metadata {key!r}: {_reason(exc)}") from exc
+        alignment = int(reader.alignment)
+        data_offset = int(reader.data_offset)
+        base = reader.data  # the file's read-only mapping, as uint8
         tensors: dict[str, TensorInfo] = {}
-        base = np.frombuffer(mapping, dtype=np.uint8)
-        for name, ne, ggml_type, rel in infos:
+        for field in reader.tensor_infos:
+            _, name_data, _, dims, raw_type, rel = field.parts
+            name = bytes(name_data).decode(errors="replace")
+            if name in tensors:
+                raise fail(f"duplicate tensor name {name!r}")
+            ne = tuple(int(d) for d in dims)
             tensors[name] = _check_tensor(
-                cur, base, name, ne, ggml_type, rel, data_offset, alignment
+                fail, size, base, name, ne, int(raw_type[0]), int(rel[0]), data_offset, alignment
             )
         # Overlapping tensors mean a corrupt table: two weights would alias the same bytes.
         prev: TensorInfo | None = None
         for info in sorted(tensors.values(), key=lambda t: t.offset):
             if prev is not None and info.offset < prev.offset + prev.nbytes:
-                raise cur.fail(f"tensor {info.name!r} overlaps tensor {prev.name!r}")
+                raise fail(f"tensor {info.name!r} overlaps tensor {prev.name!r}")
             prev = info
-        return cls(path, version, metadata, tensors, alignment, data_offset, mapping)
+        return cls(path, version, metadata, tensors, alignment, data_offset)
 
     # -- access -------------------------------------------------------------------------------
 
@@ -364,7 +359,6 @@ class GGUFFile:
         them is gone, so native code can never see unmapped memory.
         """
         self.tensors = {}
-        self._mmap = None
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -392,7 +386,8 @@ def _type_name(t: int) -> str:
 
 
 def _check_tensor(
-    cur: _Cursor,
+    fail: Callable[[str], GGUFError],
+    file_size: int,
     base: np.ndarray,
     name: str,
     ne: tuple[int, ...],
@@ -405,25 +400,25 @@ def _check_tensor(
         qtype = GGMLQuantizationType(ggml_type)
         block, type_size = GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
-        raise cur.fail(f"tensor {name!r}: unknown GGML type {ggml_type}") from None
+        raise fail(f"tensor {name!r}: unknown GGML type {ggml_type}") from None
     n_elements = 1
     for d in ne:
         n_elements *= d
     if n_elements >= 1 << 62:
-        raise cur.fail(f"tensor {name!r}: element count overflows ({ne})")
+        raise fail(f"tensor {name!r}: element count overflows ({ne})")
     if ne[0] % block:
-        raise cur.fail(
+        raise fail(
             f"tensor {name!r}: row length {ne[0]} is not a multiple of the "
             f"{qtype.name} block size {block}"
         )
     nbytes = n_elements // block * type_size
     if rel % alignment:
-        raise cur.fail(f"tensor {name!r}: data offset {rel} is not {alignment}-byte aligned")
+        raise fail(f"tensor {name!r}: data offset {rel} is not {alignment}-byte aligned")
     start = data_offset + rel
-    if start + nbytes > cur.size:
-        raise cur.fail(
+    if start < 0 or start + nbytes > file_size:
+        raise fail(
             f"tensor {name!r}: data [{start}, {start + nbytes}) lies beyond the end of the "
-            f"file ({cur.size} bytes); the file is truncated or corrupt"
+            f"file ({file_size} bytes); the file is truncated or corrupt"
         )
     data = base[start : start + nbytes]
     return TensorInfo(

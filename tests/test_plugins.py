@@ -163,3 +163,11 @@ def test_cli_refuses_bad_arguments_clearly(args: list[str], message: str) -> Non
     out = run_cli("--plugin", "fake_backend", *args)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_malformed_model_file_is_a_clear_error_not_a_crash(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1 << 60).to_bytes(8, "little") * 2)
+    out = run_cli(str(bad))
+    assert out.returncode == 2
+    assert "broken.gguf" in out.stderr and "impossible" in out.stderr
