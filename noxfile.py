@@ -17,7 +17,7 @@ REFERENCE = ["torch==2.13.0", "transformers", "accelerate", "sentencepiece", "pr
 
 
 def install_project(session: nox.Session, *, reference: bool = False) -> None:
-    session.install("setuptools>=68", "wheel", "cffi>=1.16")
+    session.install("-U", "setuptools>=68", "wheel", "cffi>=1.16")
     if reference:
         session.install(REFERENCE[0])  # first, alone: nothing may pull another torch build
         session.install(*REFERENCE[1:])
