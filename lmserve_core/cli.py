@@ -223,7 +223,8 @@ def serve(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
-        limit_concurrency=args.conns,
+        # uvicorn counts the arriving connection itself against its limit.
+        limit_concurrency=args.conns + 1,
         log_config=None,
         access_log=False,
         lifespan="on",

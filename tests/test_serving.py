@@ -259,3 +259,27 @@ def test_openapi_document_describes_the_request_bodies(server) -> None:
     paths = doc["paths"]
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions"):
         assert "requestBody" in paths[path]["post"], path
+
+
+def test_connections_beyond_conns_get_503(start_server) -> None:
+    srv = start_server("--conns", "1")
+    held = raw_request(
+        srv.port, "/v1/chat/completions", chat("#tokens:200 #delay:10", stream=True, max_tokens=300)
+    )
+    try:
+        read_until(held, b"t1", timeout=10)
+        reply = httpx.post(
+            srv.base_url + "/v1/chat/completions", json=chat("hi"), headers=AUTH, timeout=30
+        )
+        assert reply.status_code == 503
+    finally:
+        held.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reply = httpx.post(
+            srv.base_url + "/v1/chat/completions", json=chat("hi"), headers=AUTH, timeout=30
+        )
+        if reply.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert reply.status_code == 200
