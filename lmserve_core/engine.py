@@ -158,7 +158,9 @@ class Engine:
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
         pm.hook.prepare_request(request=request, backend=self.backend)
-        self.backend.validate(request)
+        # Rendering a long prompt or compiling a grammar takes milliseconds to seconds:
+        # off the event loop, so other connections keep being served meanwhile.
+        await asyncio.to_thread(self.backend.validate, request)
         stream = RequestStream(request, asyncio.get_running_loop())
         with self._cond:
             if not self._accepting:
