@@ -20,7 +20,7 @@ from litestar.types import ControllerRouterHandler
 from . import __version__
 from .errors import LmserveError, QueueFull, Unauthorized
 from .plugins import pm
-from .server import Server
+from .server import Server, ServerDep
 from .wire_errors import error_body
 
 log = structlog.get_logger("lmserve.http")
@@ -106,7 +106,7 @@ def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Respon
 
 
 @get(["/health", "/v1/health"], opt={"public": True}, include_in_schema=True, sync_to_thread=False)
-def health(server: Server) -> Response[dict[str, Any]]:
+def health(server: ServerDep) -> Response[dict[str, Any]]:
     """Liveness and readiness: 200 while serving, 503 while shutting down."""
     engine = server.engine
     if not engine.accepting:
@@ -117,7 +117,7 @@ def health(server: Server) -> Response[dict[str, Any]]:
 
 
 @get(["/v1/models", "/models"], sync_to_thread=False)
-def list_models(server: Server) -> dict[str, Any]:
+def list_models(server: ServerDep) -> dict[str, Any]:
     """The one loaded model, in a shape both OpenAI and Anthropic clients read."""
     model = {
         "id": server.model_id,

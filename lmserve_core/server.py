@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from litestar.di import NamedDependency
+
 from .backend import Backend, ServerSettings
 from .engine import Engine
 
@@ -29,3 +31,7 @@ class Server:
     @property
     def ctx(self) -> int:
         return self.backend.context_length
+
+
+# How handlers ask for the shared Server (provided as ``server`` by the app).
+ServerDep = NamedDependency[Server]

@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 from litestar import MediaType, Request, Response, post
+from litestar.params import JSONBody
 
 from ..backend import Capabilities
 from ..errors import InvalidRequest, Unsupported
@@ -24,7 +25,7 @@ from ..request import (
     ToolChoice,
     ToolChoiceMode,
 )
-from ..server import Server
+from ..server import Server, ServerDep
 from .anthropic_encoder import MessageStreamEncoder, message_body
 from .anthropic_models import (
     ContentBlock,
@@ -346,7 +347,7 @@ def _apply_generation_fields(
 
 @post(["/v1/messages", "/messages"], status_code=200)
 async def create_message(
-    data: MessagesRequest, server: Server, request: Request[Any, Any, Any]
+    data: JSONBody[MessagesRequest], server: ServerDep, request: Request[Any, Any, Any]
 ) -> Response[Any]:
     """Anthropic Messages: generate the assistant's next message (JSON or SSE)."""
     normalized = translate(data, server)
@@ -387,7 +388,7 @@ def _render_for_count(normalized: NormalizedRequest) -> str:
 
 
 @post(["/v1/messages/count_tokens", "/messages/count_tokens"], status_code=200)
-async def count_tokens(data: CountTokensRequest, server: Server) -> dict[str, int]:
+async def count_tokens(data: JSONBody[CountTokensRequest], server: ServerDep) -> dict[str, int]:
     """Anthropic token counting: the prompt's tokens under the loaded model's tokenizer."""
     normalized = translate(data, server)
     # Backends on the generic GGUF path count the prompt exactly as it will be fed

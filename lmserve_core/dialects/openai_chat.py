@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
+from litestar.params import JSONBody
 
 from .. import __version__
 from ..events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
 from ..request import ToolCall
-from ..server import Server
+from ..server import Server, ServerDep
 from ..wire_errors import openai_error
 from .common import Collected, collect, new_id, open_stream, replay, sse_data, sse_response
 from .openai_chat_models import ChatCompletionRequest
@@ -146,7 +147,7 @@ class ChatEncoder:
 
 @post(["/v1/chat/completions", "/chat/completions"], status_code=200)
 async def chat_completions(
-    data: ChatCompletionRequest, request: Request[Any, Any, Any], server: Server
+    data: JSONBody[ChatCompletionRequest], request: Request[Any, Any, Any], server: ServerDep
 ) -> Response[Any]:
     """OpenAI Chat Completions, streaming (SSE) or not."""
     completion_id = new_id("chatcmpl-")

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
+from litestar.params import JSONBody
 
 from ..events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, Usage
-from ..server import Server
+from ..server import Server, ServerDep
 from .common import collect, new_id, open_stream, replay, sse_data, sse_response
 from .openai_chat import DONE, error_frame, system_fingerprint, usage_json
 from .openai_chat_models import CompletionRequest
@@ -81,7 +82,7 @@ class CompletionEncoder:
 
 @post(["/v1/completions", "/completions"], status_code=200)
 async def completions(
-    data: CompletionRequest, request: Request[Any, Any, Any], server: Server
+    data: JSONBody[CompletionRequest], request: Request[Any, Any, Any], server: ServerDep
 ) -> Response[Any]:
     """Legacy text completion, streaming (SSE) or not."""
     completion_id = new_id("cmpl-")

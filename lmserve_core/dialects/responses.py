@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 from litestar import Request, Response, post
+from litestar.params import JSONBody
 
 from ..backend import Capabilities
 from ..errors import BackendFailure, InvalidRequest
@@ -27,7 +28,7 @@ from ..request import (
     ToolChoice,
     ToolChoiceMode,
 )
-from ..server import Server
+from ..server import Server, ServerDep
 from .common import (
     bounded_max_tokens,
     check_stop,
@@ -504,7 +505,7 @@ def translate(body: ResponsesRequest, server: Server) -> Translated:
 
 @post(["/v1/responses", "/responses"], status_code=200)
 async def create_response(
-    data: ResponsesRequest, server: Server, request: Request[Any, Any, Any]
+    data: JSONBody[ResponsesRequest], server: ServerDep, request: Request[Any, Any, Any]
 ) -> Response[Any]:
     """Create a model response (OpenAI Responses API), streamed or whole."""
     translated = translate(data, server)

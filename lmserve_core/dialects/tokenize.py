@@ -11,9 +11,10 @@ from typing import Any
 import msgspec
 from anyio import to_thread
 from litestar import post
+from litestar.params import JSONBody
 
 from ..errors import InvalidRequest, LmserveError
-from ..server import Server
+from ..server import Server, ServerDep
 
 
 class TokenizeRequest(msgspec.Struct):
@@ -55,7 +56,7 @@ def _tokenizer_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @post(["/tokenize"], status_code=200)
-async def tokenize(data: TokenizeRequest, server: Server) -> dict[str, Any]:
+async def tokenize(data: JSONBody[TokenizeRequest], server: ServerDep) -> dict[str, Any]:
     """Token ids of ``content``; with ``with_pieces``, each id with its text piece."""
     backend = server.backend
 
@@ -72,7 +73,7 @@ async def tokenize(data: TokenizeRequest, server: Server) -> dict[str, Any]:
 
 
 @post(["/detokenize"], status_code=200)
-async def detokenize(data: DetokenizeRequest, server: Server) -> dict[str, str]:
+async def detokenize(data: JSONBody[DetokenizeRequest], server: ServerDep) -> dict[str, str]:
     """The text of a list of token ids."""
     _check_ids(server, data.tokens)
     content: str = await to_thread.run_sync(
