@@ -21,6 +21,20 @@
 #define QK 32        /* elements of a legacy block */
 #define QKK 256      /* elements of a K-quant super-block */
 
+/* X-macros over the encodings every kernel table covers, so each ISA file instantiates and
+ * registers its kernels from one list. X(name, type id, block struct, elements per block) */
+#define LM_BLOCK_TYPES(X)                                                                          \
+    X(q4_0, LM_Q4_0, block_q4_0, QK)                                                               \
+    X(q4_1, LM_Q4_1, block_q4_1, QK)                                                               \
+    X(q5_0, LM_Q5_0, block_q5_0, QK)                                                               \
+    X(q5_1, LM_Q5_1, block_q5_1, QK)                                                               \
+    X(q8_0, LM_Q8_0, block_q8_0, QK)                                                               \
+    X(q4_K, LM_Q4_K, block_q4_K, QKK)                                                              \
+    X(q5_K, LM_Q5_K, block_q5_K, QKK)                                                              \
+    X(q6_K, LM_Q6_K, block_q6_K, QKK)
+/* X(name, type id) of the plain element encodings. */
+#define LM_ELEM_TYPES(X) X(f32, LM_F32) X(f16, LM_F16) X(bf16, LM_BF16)
+
 /* ------------------------------------------------------------------ block layouts (GGML) */
 typedef uint16_t lm_half;
 

@@ -309,22 +309,9 @@ T256 static inline float y_hsum(__m256 v) {
         }                                                                                          \
     }
 
-DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
-DEF_BLOCK_KERNELS(q4_1, block_q4_1, QK)
-DEF_BLOCK_KERNELS(q5_0, block_q5_0, QK)
-DEF_BLOCK_KERNELS(q5_1, block_q5_1, QK)
-DEF_BLOCK_KERNELS(q8_0, block_q8_0, QK)
-DEF_BLOCK_KERNELS(q4_K, block_q4_K, QKK)
-DEF_BLOCK_KERNELS(q5_K, block_q5_K, QKK)
-DEF_BLOCK_KERNELS(q6_K, block_q6_K, QKK)
-DEF_MULTI_KERNELS(q4_0, block_q4_0, QK)
-DEF_MULTI_KERNELS(q4_1, block_q4_1, QK)
-DEF_MULTI_KERNELS(q5_0, block_q5_0, QK)
-DEF_MULTI_KERNELS(q5_1, block_q5_1, QK)
-DEF_MULTI_KERNELS(q8_0, block_q8_0, QK)
-DEF_MULTI_KERNELS(q4_K, block_q4_K, QKK)
-DEF_MULTI_KERNELS(q5_K, block_q5_K, QKK)
-DEF_MULTI_KERNELS(q6_K, block_q6_K, QKK)
+#define DEF_KERNELS(name, type, blk, qk) DEF_BLOCK_KERNELS(name, blk, qk) DEF_MULTI_KERNELS(name, blk, qk)
+LM_BLOCK_TYPES(DEF_KERNELS)
+#undef DEF_KERNELS
 
 /* ------------------------------------------------------------------ element types */
 T256 static inline __m256 y_load_f16(const uint8_t *p) {
@@ -579,36 +566,16 @@ T256 static void y_gemm_16x6(const float *a, const float *b, int64_t k, float *c
 }
 
 void lm_kernels_avx2(lm_kernels *k) {
-    k->dequant[LM_F32] = y_deq_f32;
-    k->dequant[LM_F16] = y_deq_f16;
-    k->dequant[LM_BF16] = y_deq_bf16;
-    k->dequant[LM_Q4_0] = y_deq_q4_0;
-    k->dequant[LM_Q4_1] = y_deq_q4_1;
-    k->dequant[LM_Q5_0] = y_deq_q5_0;
-    k->dequant[LM_Q5_1] = y_deq_q5_1;
-    k->dequant[LM_Q8_0] = y_deq_q8_0;
-    k->dequant[LM_Q4_K] = y_deq_q4_K;
-    k->dequant[LM_Q5_K] = y_deq_q5_K;
-    k->dequant[LM_Q6_K] = y_deq_q6_K;
-    k->dot[LM_F32] = y_dot_f32;
-    k->dot[LM_F16] = y_dot_f16;
-    k->dot[LM_BF16] = y_dot_bf16;
-    k->dot[LM_Q4_0] = y_dot_q4_0;
-    k->dot[LM_Q4_1] = y_dot_q4_1;
-    k->dot[LM_Q5_0] = y_dot_q5_0;
-    k->dot[LM_Q5_1] = y_dot_q5_1;
-    k->dot[LM_Q8_0] = y_dot_q8_0;
-    k->dot[LM_Q4_K] = y_dot_q4_K;
-    k->dot[LM_Q5_K] = y_dot_q5_K;
-    k->dot[LM_Q6_K] = y_dot_q6_K;
-    k->dotn[LM_Q4_0] = y_dotn_q4_0;
-    k->dotn[LM_Q4_1] = y_dotn_q4_1;
-    k->dotn[LM_Q5_0] = y_dotn_q5_0;
-    k->dotn[LM_Q5_1] = y_dotn_q5_1;
-    k->dotn[LM_Q8_0] = y_dotn_q8_0;
-    k->dotn[LM_Q4_K] = y_dotn_q4_K;
-    k->dotn[LM_Q5_K] = y_dotn_q5_K;
-    k->dotn[LM_Q6_K] = y_dotn_q6_K;
+#define SET_ELEM(name, type)                                                                       \
+    k->dequant[type] = y_deq_##name;                                                             \
+    k->dot[type] = y_dot_##name;
+#define SET_BLOCK(name, type, blk, qk)                                                             \
+    SET_ELEM(name, type)                                                                           \
+    k->dotn[type] = y_dotn_##name;
+    LM_ELEM_TYPES(SET_ELEM)
+    LM_BLOCK_TYPES(SET_BLOCK)
+#undef SET_BLOCK
+#undef SET_ELEM
     k->gemm = y_gemm_16x6;
     k->mr = Y_MR;
     k->nr = Y_NR;

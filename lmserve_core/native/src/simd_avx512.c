@@ -301,22 +301,9 @@ T512 static inline void z_scales_q6_K(const block_q6_K *b, float *s) {
         }                                                                                          \
     }
 
-DEF_BLOCK_KERNELS(q4_0, block_q4_0, QK)
-DEF_BLOCK_KERNELS(q4_1, block_q4_1, QK)
-DEF_BLOCK_KERNELS(q5_0, block_q5_0, QK)
-DEF_BLOCK_KERNELS(q5_1, block_q5_1, QK)
-DEF_BLOCK_KERNELS(q8_0, block_q8_0, QK)
-DEF_BLOCK_KERNELS(q4_K, block_q4_K, QKK)
-DEF_BLOCK_KERNELS(q5_K, block_q5_K, QKK)
-DEF_BLOCK_KERNELS(q6_K, block_q6_K, QKK)
-DEF_MULTI_KERNELS(q4_0, block_q4_0, QK)
-DEF_MULTI_KERNELS(q4_1, block_q4_1, QK)
-DEF_MULTI_KERNELS(q5_0, block_q5_0, QK)
-DEF_MULTI_KERNELS(q5_1, block_q5_1, QK)
-DEF_MULTI_KERNELS(q8_0, block_q8_0, QK)
-DEF_MULTI_KERNELS(q4_K, block_q4_K, QKK)
-DEF_MULTI_KERNELS(q5_K, block_q5_K, QKK)
-DEF_MULTI_KERNELS(q6_K, block_q6_K, QKK)
+#define DEF_KERNELS(name, type, blk, qk) DEF_BLOCK_KERNELS(name, blk, qk) DEF_MULTI_KERNELS(name, blk, qk)
+LM_BLOCK_TYPES(DEF_KERNELS)
+#undef DEF_KERNELS
 
 /* ------------------------------------------------------------------ element types */
 T512 static inline __m512 z_load_f16(const uint8_t *p) {
@@ -617,36 +604,16 @@ T512 static void z_gemm_32x12(const float *a, const float *b, int64_t k, float *
 }
 
 void lm_kernels_avx512(lm_kernels *k) {
-    k->dequant[LM_F32] = z_deq_f32;
-    k->dequant[LM_F16] = z_deq_f16;
-    k->dequant[LM_BF16] = z_deq_bf16;
-    k->dequant[LM_Q4_0] = z_deq_q4_0;
-    k->dequant[LM_Q4_1] = z_deq_q4_1;
-    k->dequant[LM_Q5_0] = z_deq_q5_0;
-    k->dequant[LM_Q5_1] = z_deq_q5_1;
-    k->dequant[LM_Q8_0] = z_deq_q8_0;
-    k->dequant[LM_Q4_K] = z_deq_q4_K;
-    k->dequant[LM_Q5_K] = z_deq_q5_K;
-    k->dequant[LM_Q6_K] = z_deq_q6_K;
-    k->dot[LM_F32] = z_dot_f32;
-    k->dot[LM_F16] = z_dot_f16;
-    k->dot[LM_BF16] = z_dot_bf16;
-    k->dot[LM_Q4_0] = z_dot_q4_0;
-    k->dot[LM_Q4_1] = z_dot_q4_1;
-    k->dot[LM_Q5_0] = z_dot_q5_0;
-    k->dot[LM_Q5_1] = z_dot_q5_1;
-    k->dot[LM_Q8_0] = z_dot_q8_0;
-    k->dot[LM_Q4_K] = z_dot_q4_K;
-    k->dot[LM_Q5_K] = z_dot_q5_K;
-    k->dot[LM_Q6_K] = z_dot_q6_K;
-    k->dotn[LM_Q4_0] = z_dotn_q4_0;
-    k->dotn[LM_Q4_1] = z_dotn_q4_1;
-    k->dotn[LM_Q5_0] = z_dotn_q5_0;
-    k->dotn[LM_Q5_1] = z_dotn_q5_1;
-    k->dotn[LM_Q8_0] = z_dotn_q8_0;
-    k->dotn[LM_Q4_K] = z_dotn_q4_K;
-    k->dotn[LM_Q5_K] = z_dotn_q5_K;
-    k->dotn[LM_Q6_K] = z_dotn_q6_K;
+#define SET_ELEM(name, type)                                                                       \
+    k->dequant[type] = z_deq_##name;                                                             \
+    k->dot[type] = z_dot_##name;
+#define SET_BLOCK(name, type, blk, qk)                                                             \
+    SET_ELEM(name, type)                                                                           \
+    k->dotn[type] = z_dotn_##name;
+    LM_ELEM_TYPES(SET_ELEM)
+    LM_BLOCK_TYPES(SET_BLOCK)
+#undef SET_BLOCK
+#undef SET_ELEM
     k->gemm = z_gemm_32x12;
     k->mr = Z_MR;
     k->nr = Z_NR;

@@ -211,14 +211,9 @@ static void p_deq_block_q6_K(const block_q6_K *b, float *y) {
         }                                                                                          \
     }
 
-DEF_DEQ(q4_0, block_q4_0, QK)
-DEF_DEQ(q4_1, block_q4_1, QK)
-DEF_DEQ(q5_0, block_q5_0, QK)
-DEF_DEQ(q5_1, block_q5_1, QK)
-DEF_DEQ(q8_0, block_q8_0, QK)
-DEF_DEQ(q4_K, block_q4_K, QKK)
-DEF_DEQ(q5_K, block_q5_K, QKK)
-DEF_DEQ(q6_K, block_q6_K, QKK)
+#define DEF_DEQ_X(name, type, blk, qk) DEF_DEQ(name, blk, qk)
+LM_BLOCK_TYPES(DEF_DEQ_X)
+#undef DEF_DEQ_X
 
 /* ------------------------------------------------------------------ portable dot products
  * Decode a block, then accumulate in 8 float lanes (the same shape a SIMD path has). */
@@ -285,14 +280,9 @@ DEF_DOT_SCALAR(bf16, lm_bf16_to_float)
         return p_sum8(acc);                                                                        \
     }
 
-DEF_DOT_BLOCK(q4_0, block_q4_0, QK)
-DEF_DOT_BLOCK(q4_1, block_q4_1, QK)
-DEF_DOT_BLOCK(q5_0, block_q5_0, QK)
-DEF_DOT_BLOCK(q5_1, block_q5_1, QK)
-DEF_DOT_BLOCK(q8_0, block_q8_0, QK)
-DEF_DOT_BLOCK(q4_K, block_q4_K, QKK)
-DEF_DOT_BLOCK(q5_K, block_q5_K, QKK)
-DEF_DOT_BLOCK(q6_K, block_q6_K, QKK)
+#define DEF_DOT_X(name, type, blk, qk) DEF_DOT_BLOCK(name, blk, qk)
+LM_BLOCK_TYPES(DEF_DOT_X)
+#undef DEF_DOT_X
 
 /* ------------------------------------------------------------------ portable f32 helpers */
 static void p_axpy_f32(float *y, float a, const float *x, int64_t n) {
@@ -381,25 +371,14 @@ void lm_kernels_portable(lm_kernels *k) {
     k->dequant[LM_F32] = p_deq_f32;
     k->dequant[LM_F16] = p_deq_f16;
     k->dequant[LM_BF16] = p_deq_bf16;
-    k->dequant[LM_Q4_0] = p_deq_q4_0;
-    k->dequant[LM_Q4_1] = p_deq_q4_1;
-    k->dequant[LM_Q5_0] = p_deq_q5_0;
-    k->dequant[LM_Q5_1] = p_deq_q5_1;
-    k->dequant[LM_Q8_0] = p_deq_q8_0;
-    k->dequant[LM_Q4_K] = p_deq_q4_K;
-    k->dequant[LM_Q5_K] = p_deq_q5_K;
-    k->dequant[LM_Q6_K] = p_deq_q6_K;
     k->dot[LM_F32] = p_dot_row_f32;
     k->dot[LM_F16] = p_dot_f16;
     k->dot[LM_BF16] = p_dot_bf16;
-    k->dot[LM_Q4_0] = p_dot_q4_0;
-    k->dot[LM_Q4_1] = p_dot_q4_1;
-    k->dot[LM_Q5_0] = p_dot_q5_0;
-    k->dot[LM_Q5_1] = p_dot_q5_1;
-    k->dot[LM_Q8_0] = p_dot_q8_0;
-    k->dot[LM_Q4_K] = p_dot_q4_K;
-    k->dot[LM_Q5_K] = p_dot_q5_K;
-    k->dot[LM_Q6_K] = p_dot_q6_K;
+#define SET_BLOCK(name, type, blk, qk)                                                             \
+    k->dequant[type] = p_deq_##name;                                                               \
+    k->dot[type] = p_dot_##name;
+    LM_BLOCK_TYPES(SET_BLOCK)
+#undef SET_BLOCK
     k->gemm = p_gemm_portable;
     k->mr = P_MR;
     k->nr = P_NR;
