@@ -297,8 +297,9 @@ def test_stream_include_usage(openai_client: openai.OpenAI) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_stream_raw_frames_end_with_done(server: Any) -> None:
-    body = {"model": "m", "messages": user("#reply:ab"), "stream": True}
+def stream_lines(server: Any, text: str) -> list[str]:
+    """The non-empty SSE lines of a raw streamed chat request."""
+    body = {"model": "m", "messages": user(text), "stream": True}
     with httpx.stream(
         "POST",
         server.base_url + "/v1/chat/completions",
@@ -308,7 +309,11 @@ def test_stream_raw_frames_end_with_done(server: Any) -> None:
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line]
+        return [line for line in r.iter_lines() if line]
+
+
+def test_stream_raw_frames_end_with_done(server: Any) -> None:
+    lines = stream_lines(server, "#reply:ab")
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
 
@@ -402,16 +407,7 @@ def test_stream_error_mid_stream(openai_client: openai.OpenAI) -> None:
 
 
 def test_stream_error_frame_shape(server: Any) -> None:
-    body = {"model": "m", "messages": user("#reply:x y #error"), "stream": True}
-    with httpx.stream(
-        "POST",
-        server.base_url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": "Bearer test-key"},
-        timeout=30,
-    ) as r:
-        assert r.status_code == 200
-        lines = [line for line in r.iter_lines() if line]
+    lines = stream_lines(server, "#reply:x y #error")
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))
     assert set(error) == {"error"}
