@@ -60,6 +60,7 @@ class ServerSettings:
     ctx: int = 4096
     threads: int = 0  # 0: all cores
     kv_slots: int = 1
+    kv_type: str = "f16"  # KV cache storage: "f16" or "f32"
     batch: int = 1
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)

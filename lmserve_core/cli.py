@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep --kv-slots even when the slots would not fit in memory",
     )
+    s.add_argument(
+        "--kv-type",
+        choices=["f16", "f32"],
+        default="f16",
+        help="KV cache storage: f16 (default, half the memory) or f32",
+    )
     s.add_argument("--kv-cache-dir", help="spill evicted KV slots to this directory")
     s.add_argument("--kv-disk-slots", type=int, help="at most N spilled slot files")
     s.add_argument("--spec", action="store_true", help="speculative decoding")
@@ -204,6 +210,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx=args.ctx,
         threads=args.threads,
         kv_slots=args.kv_slots,
+        kv_type=args.kv_type,
         batch=args.batch,
         seed=args.seed,
         extra={"model_id": args.model_id, "kv_slots_force": args.kv_slots_force},

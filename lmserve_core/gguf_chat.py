@@ -112,6 +112,19 @@ class GGUFChatBackend:
                 stop_ids.add(tid)
         self.stop_ids: frozenset[int] = frozenset(stop_ids)
 
+        per_pos = getattr(model, "kv_bytes_per_pos", None)
+        log.info(
+            "kv_cache",
+            model=self.model_id,
+            kv_type=getattr(model, "kv_type", None),
+            bytes_per_position=per_pos,
+            ctx=self.context_length,
+            slots=max(1, int(settings.kv_slots)),
+            # what the slots take once every position is written (pages commit lazily)
+            full_mib=None if per_pos is None else round(
+                per_pos * self.context_length * max(1, int(settings.kv_slots)) / 2**20, 1
+            ),
+        )
         self.slots: SlotPool[KVCache] = SlotPool(
             max(1, int(settings.kv_slots)),
             lambda: self.model.new_cache(self.context_length),
@@ -182,13 +195,10 @@ class GGUFChatBackend:
             # Raw completions: BOS per the vocabulary, special-token text parsed like
             # llama-server does.
             return self.tokenizer.encode(request.prompt, add_special=True, parse_special=True), None
+        # A BOS the template writes itself was dropped from the text when the vocabulary
+        # adds one (ChatTemplate.from_gguf), as llama.cpp does.
         text = self._render(request)
-        tokens = self.tokenizer.encode(text, add_special=True, parse_special=True)
-        bos = self.tokenizer.bos_id
-        # Templates that write BOS themselves would otherwise get a second one.
-        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
-            del tokens[0]
-        return tokens, text
+        return self.tokenizer.encode(text, add_special=True, parse_special=True), text
 
     def _prepare(self, request: NormalizedRequest) -> _Prepared:
         tokens, text = self._prompt_tokens(request)
@@ -222,9 +232,9 @@ class GGUFChatBackend:
 
     def _render(self, request: NormalizedRequest) -> str:
         kwargs: dict[str, Any] = {}
-        if self.conventions.think is not None:
-            # The Qwen3 switch; templates without it ignore the variable.
-            kwargs["enable_thinking"] = bool(request.reasoning) and request.constraint is None
+        switch = self.conventions.thinking_switch
+        if switch is not None:
+            kwargs[switch] = bool(request.reasoning) and request.constraint is None
         kwargs.update(request.template_kwargs)
         tools = tool_dicts(request.tools) or None
         return self.template.render(

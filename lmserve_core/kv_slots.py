@@ -1,14 +1,18 @@
 """Resident KV slots and prefix reuse across requests.
 
 The API is stateless but the KV cache is not: each slot keeps a cache and the token shadow
-its rows were computed from. A request adopts the slot sharing the longest token prefix with
+of the positions it holds. A request adopts the slot that can reuse the longest prefix of
 its prompt, when that prefix passes a similarity gate (more than 10% of the prompt, as
-llama.cpp does), and prefills only the rest:
+llama.cpp does), and prefills only the rest. How much of a shared token prefix a slot can
+reuse is the cache's answer (``KVCache.reusable_prefix``): attention rows keep any prefix, a
+sliding window only one near its end, a recurrent state its own length or a checkpoint.
 
 * a continuation (the slot's whole shadow is a prefix of the prompt) takes the slot whole;
 * a prompt that merely shares a prefix with a slot holding another conversation gets the
-  least-recently-used other slot, with the common rows copied in, so the donor stays intact
-  for its own continuation (with a single slot the slot is simply cut back);
+  least-recently-used other slot, with that prefix copied in, so the donor stays intact for
+  its own continuation. When the donor's cache cannot copy (``CacheKind.copy_prefix`` is
+  false), or there is a single slot, the donor itself is cut back: reusing the prefix now
+  is worth more than the chance that its conversation continues;
 * otherwise the least-recently-used slot starts from scratch.
 """
 
@@ -20,14 +24,16 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-C = TypeVar("C")
+from .model import KVCache
+
+C = TypeVar("C", bound=KVCache)
 
 SIMILARITY_GATE = 0.1
 
 
 @dataclass(slots=True)
 class KVSlot(Generic[C]):
-    """One resident cache and the tokens whose K/V rows it holds, in positions 0..n-1."""
+    """One resident cache and the tokens of the positions it holds, 0..n-1."""
 
     index: int
     make_cache: Callable[[], C] = field(repr=False)
@@ -47,7 +53,9 @@ class KVSlot(Generic[C]):
         return self._cache is not None
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` rows as valid."""
+        """Keep only the first ``n`` positions (0, or what the cache can reuse)."""
+        if n < len(self.tokens) and self._cache is not None:
+            self._cache.truncate(n)
         del self.tokens[n:]
 
     def release(self) -> None:
@@ -56,9 +64,16 @@ class KVSlot(Generic[C]):
         self.tokens.clear()
 
 
+@dataclass(slots=True)
+class _Match(Generic[C]):
+    slot: KVSlot[C]
+    reusable: int  # prompt tokens the slot's cache can continue from
+    continuation: bool
+
+
 class SlotPool(Generic[C]):
     """``n_slots`` KV slots; ``make_cache()`` allocates one cache and ``copy_rows(src, dst,
-    n)`` copies rows ``[0, n)`` between caches (``ForwardModel.copy_rows``)."""
+    n)`` copies positions ``[0, n)`` between caches (``ForwardModel.copy_rows``)."""
 
     def __init__(
         self,
@@ -76,37 +91,46 @@ class SlotPool(Generic[C]):
         """Pick the slot for ``prompt``; return it and how many leading tokens it reuses.
 
         On return the slot's ``tokens`` are exactly the reused prefix of the prompt; the
-        caller appends every token whose K/V rows it then writes. At least one prompt token
+        caller appends every token whose positions it then writes. At least one prompt token
         is always left to prefill (the next token's logits come from it).
         """
         self._tick += 1
         limit = max(len(prompt) - 1, 0)
-        best: KVSlot[C] | None = None
-        best_len = 0
-        for slot in self.slots:
-            n = common_prefix_length(slot.tokens, prompt)
-            if n > best_len or (
-                n == best_len and best is not None and n > 0 and _prefer(slot, best, n)
-            ):
-                best, best_len = slot, n
-
-        if best is None or best_len <= SIMILARITY_GATE * len(prompt):
+        matches = [self._match(slot, prompt, limit) for slot in self.slots if slot.tokens]
+        best = max(
+            matches,
+            key=lambda m: (m.reusable, m.continuation, m.slot.last_used),
+            default=None,
+        )
+        if best is None or best.reusable <= SIMILARITY_GATE * len(prompt):
             slot = self._lru()
             slot.truncate(0)
             return self._touch(slot), 0
 
-        n_reuse = min(best_len, limit)
-        continuation = best_len == len(best.tokens)
-        if continuation or len(self.slots) == 1 or self._copy_rows is None:
-            best.truncate(n_reuse)
-            return self._touch(best), n_reuse
+        donor, n, copy = best.slot, best.reusable, self._copy_rows
+        if (
+            best.continuation
+            or copy is None
+            or len(self.slots) == 1
+            or not donor.cache.kind.copy_prefix
+        ):
+            donor.truncate(n)
+            return self._touch(donor), n
 
-        # Same prefix, different conversation: copy the shared rows so the donor survives.
-        target = self._lru(exclude=best)
-        if n_reuse > 0:
-            self._copy_rows(best.cache, target.cache, n_reuse)
-        target.tokens[:] = prompt[:n_reuse]
-        return self._touch(target), n_reuse
+        # Same prefix, different conversation: copy it so the donor survives.
+        target = self._lru(exclude=donor)
+        target.truncate(0)
+        copy(donor.cache, target.cache, n)
+        target.tokens[:] = prompt[:n]
+        return self._touch(target), n
+
+    @staticmethod
+    def _match(slot: KVSlot[C], prompt: Sequence[int], limit: int) -> _Match[C]:
+        held = len(slot.tokens)
+        common = common_prefix_length(slot.tokens, prompt)
+        wanted = min(common, limit)
+        reusable = slot.cache.reusable_prefix(held, wanted) if wanted > 0 else 0
+        return _Match(slot, reusable, continuation=common == held)
 
     def _lru(self, exclude: KVSlot[C] | None = None) -> KVSlot[C]:
         return min((s for s in self.slots if s is not exclude), key=lambda s: s.last_used)
@@ -119,14 +143,6 @@ class SlotPool(Generic[C]):
         """Release every cache."""
         for slot in self.slots:
             slot.release()
-
-
-def _prefer(slot: KVSlot[C], current: KVSlot[C], n: int) -> bool:
-    # Equal prefixes: a continuation needs no copy; otherwise the more recently used.
-    slot_cont, cur_cont = len(slot.tokens) == n, len(current.tokens) == n
-    if slot_cont != cur_cont:
-        return slot_cont
-    return slot.last_used > current.last_used
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,26 +1,75 @@
 """What a model family supplies to the generic GGUF chat path (``lmserve_core.gguf_chat``).
 
-A family provides a ``ForwardModel`` (its forward pass over a KV cache, usually native
-code) and ``FamilyConventions`` (stop tokens, think markers, tool style, sampling
-defaults, a fallback chat template). The generic path does the rest: tokenize, KV slot
-reuse, prefill, the decode loop, sampling, stop handling and event emission.
+A family provides a ``ForwardModel`` (its forward pass over a cache, usually native code)
+and ``FamilyConventions`` (stop tokens, think markers, tool style, sampling defaults, a
+fallback chat template). Its caches say what they can do (``KVCache``, ``CacheKind``), so
+KV slot reuse works for attention rows, sliding windows and recurrent state alike. The
+generic path does the rest: tokenize, KV slot reuse, prefill, the decode loop, sampling,
+stop handling and event emission.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 from .backend import Capabilities, SamplingDefaults, ThinkMarkers
 
 
+@dataclass(frozen=True, slots=True)
+class CacheKind:
+    """What a family's cache can do besides appending positions.
+
+    Slot reuse asks ``KVCache.reusable_prefix`` how far a cache can be cut back; the flags
+    describe the kind as a whole.
+    """
+
+    name: str = "attention"
+    truncate: bool = True  # can be cut back to any prefix it holds
+    copy_prefix: bool = True  # a prefix it can continue from can be copied into another cache
+    snapshot: bool = True  # its state for [0, n) can be saved and restored (disk tier)
+
+
+ATTENTION = CacheKind()
+
+
 class KVCache(Protocol):
-    """One sequence's KV cache: rows [0, n_ctx) of every layer's keys and values."""
+    """One sequence's cache for positions [0, n_ctx): attention rows, a window or a state.
+
+    How many positions it holds is tracked by its slot, which passes it in.
+    """
 
     n_ctx: int
+
+    @property
+    def kind(self) -> CacheKind:
+        """What this cache can do."""
+
+    def reusable_prefix(self, held: int, wanted: int) -> int:
+        """The longest prefix ``m <= min(held, wanted)`` this cache, holding ``held``
+        positions, can continue from; 0 when it cannot keep any."""
+
+    def truncate(self, n: int) -> None:
+        """Forget positions ``>= n``; ``n`` is 0 or came from :meth:`reusable_prefix`."""
+
+
+class AttentionCache:
+    """``KVCache`` behaviour of plain attention rows, to mix into a native cache class.
+
+    Any prefix can be kept and copied; rows past it are overwritten by the next forward.
+    """
+
+    __slots__ = ()
+    kind: ClassVar[CacheKind] = ATTENTION
+
+    def reusable_prefix(self, held: int, wanted: int) -> int:
+        return min(held, wanted)
+
+    def truncate(self, n: int) -> None:
+        pass
 
 
 class ForwardModel(Protocol):
@@ -43,7 +92,10 @@ class ForwardModel(Protocol):
         """
 
     def copy_rows(self, src: KVCache, dst: KVCache, n: int) -> None:
-        """Copy cache rows ``[0, n)`` of every layer from ``src`` into ``dst``."""
+        """Copy positions ``[0, n)`` of every layer from ``src`` into ``dst``.
+
+        Called only when ``src.kind.copy_prefix`` and ``src`` can continue from ``n``.
+        """
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +107,6 @@ class FamilyConventions:
     think: ThinkMarkers | None = None  # reasoning head markers, if the family has them
     extra_stop_tokens: tuple[str, ...] = ()  # token texts that also end a turn
     fallback_template: str | None = None  # jinja chat template when the GGUF has none
+    # The template variable that switches the family's thinking on and off (templates
+    # without it ignore it); set from the request's reasoning switch.
+    thinking_switch: str | None = None

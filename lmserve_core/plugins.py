@@ -7,13 +7,16 @@ comma-separated list of entry-point names) restricts which ones load;
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from types import ModuleType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 import pluggy
@@ -96,33 +99,77 @@ def backends() -> dict[str, BackendSpec]:
     """Every backend registered through ``register_backends``, by name."""
     load_plugins()
     found: dict[str, BackendSpec] = {}
+    callers = _register_backends_callers()
 
-    def make_register(plugin_name: str) -> Callable[..., None]:
-        def register(
-            name: str,
-            factory: BackendFactory,
-            *,
-            architectures: tuple[str, ...] | list[str] = (),
-            description: str = "",
-            default_model: Callable[[], str | None] | None = None,
-        ) -> None:
-            if name in found:
-                log.warning("backend_name_taken", backend=name, plugin=plugin_name)
-                return
-            found[name] = BackendSpec(
-                name=name,
-                factory=factory,
-                architectures=tuple(architectures),
-                description=description,
-                default_model=default_model,
-                plugin=plugin_name,
-            )
+    def register(
+        name: str,
+        factory: BackendFactory,
+        *,
+        architectures: tuple[str, ...] | list[str] = (),
+        description: str = "",
+        default_model: Callable[[], str | None] | None = None,
+    ) -> None:
+        plugin_name = _registering_plugin(callers, sys._getframe(1)) or _plugin_owning(factory)
+        if name in found:
+            log.warning("backend_name_taken", backend=name, plugin=plugin_name)
+            return
+        found[name] = BackendSpec(
+            name=name,
+            factory=factory,
+            architectures=tuple(architectures),
+            description=description,
+            default_model=default_model,
+            plugin=plugin_name,
+        )
 
-        return register
-
-    for impl in pm.hook.register_backends.get_hookimpls():
-        impl.function(register=make_register(impl.plugin_name))
+    pm.hook.register_backends(register=register)
     return found
+
+
+def _register_backends_callers() -> dict[CodeType, str]:
+    callers: dict[CodeType, str] = {}
+    for impl in pm.hook.register_backends.get_hookimpls():
+        code = getattr(inspect.unwrap(impl.function), "__code__", None)
+        if code is not None:
+            callers[code] = impl.plugin_name
+    return callers
+
+
+def _registering_plugin(callers: dict[CodeType, str], frame: FrameType | None) -> str:
+    # The hookimpl that called register (maybe through helpers) is on the stack.
+    while frame is not None:
+        if frame.f_code in callers:
+            return callers[frame.f_code]
+        frame = frame.f_back
+    return ""
+
+
+def _plugin_owning(factory: BackendFactory) -> str:
+    # The registered plugin whose module or package defines the factory; the innermost wins.
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    module = getattr(inspect.unwrap(factory), "__module__", None)
+    if not module:
+        return ""
+    homes = {name: _home_package(plugin) for name, plugin in pm.list_name_plugin()}
+    owners = [
+        (len(home), name)
+        for name, home in homes.items()
+        if home and (module == home or module.startswith(f"{home}."))
+    ]
+    return max(owners, default=(0, ""))[1]
+
+
+def _home_package(plugin: object) -> str:
+    # A plugin module's package (the module itself when top-level) holds its other modules.
+    if isinstance(plugin, ModuleType):
+        name = plugin.__name__
+    else:
+        name = getattr(plugin, "__module__", None) or ""  # a class or an instance
+    module = sys.modules.get(name)
+    if module is None or hasattr(module, "__path__"):
+        return name
+    return module.__package__ or name
 
 
 def backend_for_architecture(architecture: str) -> BackendSpec | None:

@@ -7,10 +7,10 @@ import time
 
 import pytest
 from models import gemma3_path, smollm2_path
+from templates import GEMMA_TEMPLATE
 
 from lmserve_core.chat_template import (
     CHATML_TEMPLATE,
-    GEMMA_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
     message_dicts,

@@ -21,7 +21,7 @@ from lmserve_core.errors import InvalidRequest, Unsupported
 from lmserve_core.events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta
 from lmserve_core.gguf_chat import GGUFChatBackend
 from lmserve_core.gguf_file import GGUFFile
-from lmserve_core.model import FamilyConventions
+from lmserve_core.model import AttentionCache, FamilyConventions
 from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
 from lmserve_core.tokenizer import Tokenizer
 
@@ -29,7 +29,7 @@ GREEDY = Sampling(temperature=0.0)
 IM_START, IM_END = 1, 2  # SmolLM2's ChatML control tokens
 
 
-class FakeCache:
+class FakeCache(AttentionCache):
     def __init__(self, n_ctx: int) -> None:
         self.n_ctx = n_ctx
         self.rows = np.full(n_ctx, -1, dtype=np.int64)  # the token each K/V row was made from

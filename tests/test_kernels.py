@@ -502,13 +502,19 @@ def test_sources_headers_and_cdef_agree() -> None:
     header = (include / "lmserve" / "kernels.h").read_text()
     sources = [Path(p) for p in native.get_sources()]
     assert all(p.is_absolute() and p.exists() for p in sources)
-    assert {p.name for p in sources} >= {"types.c", "matmul.c", "pool.c", "attention.c"}
+    assert {p.name for p in sources} >= {"types.c", "matmul.c", "pool.c", "attention.c", "kit.c"}
     impl = (include / "lmserve" / "kernels_impl.h").read_text()
     assert {p.name for p in sources} == set(re.findall(r'#include "\.\./\.\./src/(\w+\.c)"', impl))
-    assert "kernels_impl.h" in native.embed_source()
+    assert "kernels_impl.h" in native.kernels_source()
+    # the cdef is cut from the header, so every declared function must sit inside the region
     declared = set(re.findall(r"\b(lm_\w+)\s*\(", header))
     cdef = native.get_cdef()
     assert declared == set(re.findall(r"\b(lm_\w+)\s*\(", cdef))
     from lmserve_core._kernels import lib
 
     assert all(hasattr(lib, name) for name in declared)
+    # every function of the kit table is a core function with the same name
+    api = (include / "lmserve" / "api.h").read_text()
+    table = set(re.findall(r"X\((?:[\w *]+,[\s\\]*)?(lm_\w+),[\s\\]*\(", api))
+    assert {"lm_matmul", "lm_self_attention", "lm_moe_ffn", "lm_base_free"} <= table
+    assert table <= declared

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lmserve_core import hookimpl, plugins
-from lmserve_core.backend import ServerSettings
+from lmserve_core.backend import BackendSpec, ServerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "docs" / "plugins.md").read_text()
@@ -75,6 +77,102 @@ def test_hook_register_backends(recorder: _Recorder) -> None:
     assert spec.plugin == "recorder"
     found = plugins.backend_for_architecture("recarch")
     assert found is not None and (found.name, found.plugin) == (spec.name, spec.plugin)
+
+
+class _Wrapper:
+    @hookimpl(wrapper=True)
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register("wrapper-test", lambda model, settings: None)
+        return (yield)
+
+
+def test_register_backends_goes_through_the_hook_caller(recorder: _Recorder) -> None:
+    seen: list[tuple[str, list[str]]] = []
+    undo = plugins.pm.add_hookcall_monitoring(
+        lambda name, impls, kwargs: seen.append((name, [i.plugin_name for i in impls])),
+        lambda outcome, name, impls, kwargs: None,
+    )
+    wrapper = _Wrapper()
+    plugins.pm.register(wrapper, name="wrapper")
+    try:
+        found = plugins.backends()
+    finally:
+        plugins.pm.unregister(wrapper)
+        undo()
+    calls = [impls for name, impls in seen if name == "register_backends"]
+    assert len(calls) == 1 and {"recorder", "wrapper"} <= set(calls[0])
+    assert found["wrapper-test"].plugin == "wrapper"
+    assert found["recorder-test"].plugin == "recorder"
+
+
+PACKAGE_PLUGIN = """\
+from concurrent.futures import ThreadPoolExecutor
+
+from lmserve_core import hookimpl
+
+from .factories import make_backend
+
+
+@hookimpl
+def register_backends(register):
+    register("attrib-direct", make_backend)
+    with ThreadPoolExecutor(1) as pool:  # off the hook's stack: found by the factory's module
+        pool.submit(register, "attrib-thread", make_backend).result()
+"""
+
+BORROWING_PLUGIN = """\
+from lmserve_attrib_pkg.factories import make_backend
+
+from lmserve_core import hookimpl
+
+
+@hookimpl
+def register_backends(register):
+    register("attrib-borrowed", make_backend)
+"""
+
+
+@pytest.fixture
+def attributed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, BackendSpec]]:
+    """Backends from a plugin package whose factory lives in a sibling submodule, and from a
+    plugin that registers that same factory."""
+    package = tmp_path / "lmserve_attrib_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "factories.py").write_text("def make_backend(model_path, settings):\n    pass\n")
+    (package / "plugin.py").write_text(PACKAGE_PLUGIN)
+    (tmp_path / "lmserve_attrib_other.py").write_text(BORROWING_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = {"attrib": "lmserve_attrib_pkg.plugin", "other": "lmserve_attrib_other"}
+    modules = {name: importlib.import_module(dotted) for name, dotted in names.items()}
+    try:
+        for name, module in modules.items():
+            plugins.pm.register(module, name=name)
+        yield plugins.backends()
+    finally:
+        for module in modules.values():
+            if plugins.pm.is_registered(module):
+                plugins.pm.unregister(module)
+        for dotted in [m for m in sys.modules if m.startswith("lmserve_attrib_")]:
+            del sys.modules[dotted]
+
+
+def test_backend_from_a_plugin_submodule_is_attributed_to_the_plugin(
+    attributed: dict[str, BackendSpec],
+) -> None:
+    direct, threaded = attributed["attrib-direct"], attributed["attrib-thread"]
+    assert direct.factory.__module__ == "lmserve_attrib_pkg.factories"
+    assert (direct.plugin, threaded.plugin) == ("attrib", "attrib")
+
+
+def test_backend_is_attributed_to_the_plugin_that_registered_it(
+    attributed: dict[str, BackendSpec],
+) -> None:
+    borrowed = attributed["attrib-borrowed"]
+    assert borrowed.factory is attributed["attrib-direct"].factory
+    assert borrowed.plugin == "other"
 
 
 def _scripted_app(recorder: _Recorder):  # type: ignore[no-untyped-def]

@@ -1,8 +1,11 @@
-"""Locations and compiler flags of the shared native kernels.
+"""Locations, compiler flags and cffi declarations of the native kernels and the family kit.
 
-Plugin build scripts import this at build time to compile the kernels into their own cffi
-module, so it must stay light: no compiled code, no third-party imports. The Python API over
-the core's own compiled module is :mod:`lmserve_core.native.kernels`.
+The core compiles the kernels once, into ``lmserve_core._kernels``. A family plugin compiles
+only its own forward pass, against the kit header (``lmserve/kit.h``), and reaches the
+kernels through the table the core hands over at load: :func:`family_ffibuilder` sets that
+up. Build scripts import this module at build time, so it stays light: no compiled code, no
+third-party imports besides cffi (imported by :func:`family_ffibuilder` only). The Python API
+over the compiled kernels is :mod:`lmserve_core.native.kernels`.
 
 Build switches (environment variables, read when the flags are computed):
 
@@ -15,17 +18,18 @@ Build switches (environment variables, read when the flags are computed):
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
+_INCLUDE = _HERE / "include"
 
 _TRUE = {"1", "true", "yes", "on"}
 
 # -ffp-contract=off: no silent FMA contraction, so the portable decoders round exactly like
 # the GGML/gguf references and every ISA path is deterministic. -fvisibility=hidden keeps the
-# lm_* symbols private to each extension that embeds them.
+# lm_* symbols private to each extension module.
 _BASE_FLAGS = [
     "-std=gnu11",
     "-Werror=implicit-function-declaration",
@@ -34,28 +38,52 @@ _BASE_FLAGS = [
     "-fvisibility=hidden",
 ]
 
+CDEF_BEGIN = "/* cdef-begin */"
+CDEF_END = "/* cdef-end */"
+
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in _TRUE
 
 
 def get_include() -> str:
-    """Directory to add to the include path; it holds ``lmserve/kernels.h``."""
-    return str(_HERE / "include")
+    """Directory to add to the include path; it holds ``lmserve/kit.h`` and friends."""
+    return str(_INCLUDE)
 
 
 def get_sources() -> list[str]:
-    """Absolute paths of the kernel C sources, sorted."""
+    """Absolute paths of the kernel C sources (compiled by the core only), sorted."""
     return sorted(str(p) for p in (_HERE / "src").glob("*.c"))
 
 
+def cdef_region(header: str | os.PathLike[str]) -> str:
+    """The cffi declarations of a header: the text between its cdef markers.
+
+    The region must hold plain C declarations (no preprocessor lines); every lmserve header
+    and every family header marks its region this way, so the C header stays the one
+    source of the declarations.
+    """
+    text = Path(header).read_text(encoding="utf-8")
+    try:
+        begin = text.index(CDEF_BEGIN) + len(CDEF_BEGIN)
+        end = text.index(CDEF_END, begin)
+    except ValueError:
+        raise ValueError(f"{header}: no {CDEF_BEGIN} ... {CDEF_END} region") from None
+    return text[begin:end]
+
+
+def types_cdef() -> str:
+    """Declarations of the shared types (``lmserve/types.h``): every module needs them."""
+    return cdef_region(_INCLUDE / "lmserve" / "types.h")
+
+
 def get_cdef() -> str:
-    """The cffi declarations of ``kernels.h`` (for ``ffibuilder.cdef``)."""
-    return (_HERE / "kernels.cdef").read_text()
+    """The cffi declarations of the core's module: the types and ``lmserve/kernels.h``."""
+    return types_cdef() + cdef_region(_INCLUDE / "lmserve" / "kernels.h")
 
 
 def compile_args(env: Mapping[str, str] | None = None) -> list[str]:
-    """C compiler flags every module embedding the kernels must use.
+    """C compiler flags of the core's module and of family modules.
 
     ``env`` defaults to ``os.environ``; see the module docstring for the switches.
     """
@@ -68,28 +96,57 @@ def compile_args(env: Mapping[str, str] | None = None) -> list[str]:
     return flags
 
 
-def embed_source() -> str:
-    """C text that compiles the whole kernel library into the including module.
-
-    Put it at the top of the source string given to ``FFI.set_source`` together with
-    :func:`build_kwargs`; no kernel files need to be listed as sources (setuptools refuses
-    absolute source paths, and the kernels live in another package).
-    """
-    return '#include "lmserve/kernels.h"\n#include "lmserve/kernels_impl.h"\n'
-
-
 def link_args() -> list[str]:
-    """Linker flags every module embedding the kernels must use."""
+    """Linker flags of the core's module and of family modules."""
     return ["-pthread"]
 
 
 def build_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``FFI.set_source`` that, with :func:`embed_source`, compile the
-    kernels into a module. Add your own sources and flags to the lists it returns.
-    """
+    """Keyword arguments for ``FFI.set_source``: include path, flags, libraries."""
     return {
         "include_dirs": [get_include()],
         "extra_compile_args": compile_args(env),
         "extra_link_args": link_args(),
         "libraries": ["m"],
     }
+
+
+def kernels_source() -> str:
+    """C text of the core's module: the whole kernel library as one translation unit."""
+    return '#include "lmserve/kernels.h"\n#include "lmserve/kernels_impl.h"\n'
+
+
+# What every family module exposes besides its own header's region: the binding entry.
+_KIT_CDEF = "int lm_kit_bind(const void *table);\n"
+
+
+def family_ffibuilder(
+    module_name: str,
+    header: str | os.PathLike[str],
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    env: Mapping[str, str] | None = None,
+) -> Any:
+    """A ``cffi.FFI`` that builds a family's forward-pass module against the kit.
+
+    ``header`` is the family's header (its cdef region declares the config and weight
+    structs and the build function); ``sources`` are the family's C files, relative to the
+    directory setuptools runs in (the plugin's root). The module binds to the core's kernels
+    at import (:class:`lmserve_core.kit.NativeForwardModel` does it); it compiles none of them.
+    """
+    from cffi import FFI
+
+    header_path = Path(header).resolve()
+    ffi = FFI()
+    ffi.cdef(types_cdef() + _KIT_CDEF + cdef_region(header_path))
+    kwargs = build_kwargs(env)
+    kwargs["include_dirs"] = [*kwargs["include_dirs"], str(header_path.parent)]
+    ffi.set_source(
+        module_name,
+        f'#define LM_KIT_MAIN\n#include "lmserve/kit.h"\n#include "{header_path.name}"\n',
+        sources=[str(s) for s in sources],
+        # the full ABI tag, so setup.py and an in-place build produce the same file name
+        py_limited_api=False,
+        **kwargs,
+    )
+    return ffi

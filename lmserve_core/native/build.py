@@ -35,7 +35,7 @@ ffibuilder = FFI()
 ffibuilder.cdef(_native.get_cdef())
 ffibuilder.set_source(
     "lmserve_core._kernels",
-    _native.embed_source(),
+    _native.kernels_source(),
     # the full ABI tag, so setup.py and build_in_place() produce the same file name
     py_limited_api=False,
     **_native.build_kwargs(),

@@ -19,35 +19,25 @@ from lmserve_core._kernels import ffi, lib
 F32Array = npt.NDArray[np.float32]
 
 
-class QuantType(enum.IntEnum):
-    """Tensor types the kernels handle; values are GGML's type ids."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    BF16 = 30
+def _c_enum(name: str, c_enum: str, prefix: str) -> Any:
+    # The C header is the one list of these values; Python reads it from the compiled module.
+    members = {k.removeprefix(prefix): v for k, v in ffi.typeof(c_enum).relements.items()}
+    return enum.IntEnum(name, sorted(members.items(), key=lambda kv: kv[1]))
 
 
-class Isa(enum.IntEnum):
-    """Instruction-set paths of the kernels."""
+QuantType = _c_enum("QuantType", "enum lm_type", "LM_")
+QuantType.__doc__ = "Tensor types the kernels handle; values are GGML's type ids (lm_type)."
+Isa = _c_enum("Isa", "enum lm_isa", "LM_ISA_")
+Isa.__doc__ = "Instruction-set paths of the kernels (lm_isa)."
+RopeMode = _c_enum("RopeMode", "enum lm_rope_mode", "LM_ROPE_")
+RopeMode.__doc__ = "Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2)."
+Activation = _c_enum("Activation", "enum lm_act", "LM_ACT_")
+Activation.__doc__ = "Gate activation of a gated feed-forward (lm_act)."
 
-    PORTABLE = 0
-    AVX2 = 1
-    AVX512 = 2
-
-
-class RopeMode(enum.IntEnum):
-    """Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2)."""
-
-    NORMAL = 0
-    NEOX = 2
+#: Every GGML type id a weight matrix may have: what families accept for their matrices.
+MATRIX_TYPES: tuple[int, ...] = tuple(int(t) for t in QuantType)
+#: Storage types of a KV cache, by the name ``--kv-type`` takes.
+CACHE_TYPES: dict[str, int] = {"f16": int(QuantType.F16), "f32": int(QuantType.F32)}
 
 
 class KernelError(RuntimeError):
@@ -80,9 +70,28 @@ class KernelIsaError(KernelError):
     status = -4
 
 
+class KernelAbiError(KernelError):
+    """A family module was built against another kit ABI than this core (``LM_EABI``)."""
+
+    status = -5
+
+
+class KernelMismatchError(KernelError, ValueError):
+    """A cache of another geometry or type than the model's (``LM_EMISMATCH``)."""
+
+    status = -6
+
+
 _ERRORS: dict[int, type[KernelError]] = {
     cls.status: cls
-    for cls in (KernelValueError, KernelMemoryError, KernelTypeError, KernelIsaError)
+    for cls in (
+        KernelValueError,
+        KernelMemoryError,
+        KernelTypeError,
+        KernelIsaError,
+        KernelAbiError,
+        KernelMismatchError,
+    )
 }
 
 
@@ -122,12 +131,12 @@ def row_bytes(qtype: int, n: int) -> int:
 
 
 # ------------------------------------------------------------------ ISA
-def isa_best() -> Isa:
+def isa_best() -> enum.IntEnum:
     """Best instruction set the CPU supports."""
     return Isa(lib.lm_isa_best())
 
 
-def isa_active() -> Isa:
+def isa_active() -> enum.IntEnum:
     """Instruction set the kernels currently use."""
     return Isa(lib.lm_isa_active())
 
@@ -137,13 +146,13 @@ def select_isa(isa: int) -> None:
     check(lib.lm_isa_select(int(isa)), f"select ISA {isa}")
 
 
-def available_isas() -> list[Isa]:
+def available_isas() -> list[enum.IntEnum]:
     """Every path this CPU can run, portable first."""
     return [isa for isa in Isa if isa <= isa_best()]
 
 
 @contextlib.contextmanager
-def use_isa(isa: int) -> Iterator[Isa]:
+def use_isa(isa: int) -> Iterator[enum.IntEnum]:
     """Run a block with ``isa`` selected, then restore the previous selection."""
     previous = isa_active()
     select_isa(isa)
@@ -418,3 +427,295 @@ def attention(
         "attention",
     )
     return out
+
+
+# ------------------------------------------------------------------ threaded row ops
+def rmsnorm_rows(
+    x: npt.ArrayLike, weight: npt.ArrayLike | None, eps: float, pool: Pool | None = None
+) -> F32Array:
+    """RMS norm of every row of x over its last axis (per-head norms: rows of head_dim)."""
+    xs = _f32(x)
+    n = xs.shape[-1]
+    w = None if weight is None else _f32(weight).reshape(-1)
+    if n == 0 or (w is not None and w.size != n):
+        raise KernelValueError(f"weight must have {n} elements")
+    out = np.empty_like(xs)
+    rows = xs.size // n
+    wp = ffi.NULL if w is None else _fbuf(w)
+    check(
+        lib.lm_rmsnorm_rows(_pool_ptr(pool), _fbuf(out), _fbuf(xs), wp, rows, n, float(eps)),
+        "rmsnorm_rows",
+    )
+    return out
+
+
+def rope_rows(
+    x: npt.ArrayLike,
+    pos0: int,
+    inv_freq: npt.ArrayLike,
+    mode: int = 0,
+    mscale: float = 1.0,
+    pool: Pool | None = None,
+) -> F32Array:
+    """RoPE of x (ntok, n_heads, head_dim), token t at position pos0 + t; returns a copy.
+
+    Pair i of the first ``2 * len(inv_freq)`` dims of each head turns by pos * inv_freq[i].
+    """
+    out = _f32(x).copy()
+    if out.ndim != 3:
+        raise KernelValueError("x must be (ntok, n_heads, head_dim)")
+    freqs = _f32(inv_freq).reshape(-1)
+    spec = ffi.new("lm_rotary *")
+    spec.mode = int(mode)
+    spec.n_rot = 2 * freqs.size
+    spec.inv_freq = _fbuf(freqs) if freqs.size else ffi.NULL
+    spec.mscale = float(mscale)
+    ntok, n_heads, head_dim = out.shape
+    check(
+        lib.lm_rope_rows(_pool_ptr(pool), _fbuf(out), ntok, n_heads, head_dim, int(pos0), spec),
+        "rope_rows",
+    )
+    return out
+
+
+def glu_rows(
+    gate: npt.ArrayLike, up: npt.ArrayLike, act: int = 0, pool: Pool | None = None
+) -> F32Array:
+    """act(gate) * up, spread over the pool."""
+    g, u = _f32(gate), _f32(up)
+    if g.shape != u.shape:
+        raise KernelValueError(f"shapes differ: {g.shape} vs {u.shape}")
+    out = np.empty_like(g)
+    check(
+        lib.lm_glu_rows(_pool_ptr(pool), _fbuf(out), _fbuf(g), _fbuf(u), g.size, int(act)),
+        "glu_rows",
+    )
+    return out
+
+
+def matmuls(
+    products: list[tuple[int, npt.ArrayLike, int, int, npt.ArrayLike]],
+    pool: Pool | None = None,
+) -> list[F32Array]:
+    """Several ``x @ W.T`` in one call; each product is (qtype, raw W, rows, cols, x).
+
+    Every x has the same number of tokens (rows of x).
+    """
+    keep: list[Any] = []
+    mms = ffi.new("lm_mm[]", max(len(products), 1))
+    outs: list[F32Array] = []
+    ntok = None
+    for i, (qtype, raw, rows, cols, x) in enumerate(products):
+        t = _type_id(qtype)
+        xs = _f32(x).reshape(-1, cols)
+        if ntok is None:
+            ntok = xs.shape[0]
+        if xs.shape[0] != ntok:
+            raise KernelValueError("every product needs the same number of tokens")
+        data = _raw(raw)
+        _need(data, rows * row_bytes(t, cols), "matmuls")
+        y = np.empty((ntok, rows), dtype=np.float32)
+        wbuf, xbuf, ybuf = _ubuf(data), _fbuf(xs), _fbuf(y)
+        keep += [data, xs, wbuf, xbuf, ybuf]
+        mms[i].w.data = wbuf
+        mms[i].w.type = t
+        mms[i].rows = rows
+        mms[i].cols = cols
+        mms[i].x = xbuf
+        mms[i].y = ybuf
+        outs.append(y)
+    check(lib.lm_matmuls(_pool_ptr(pool), mms, len(products), ntok or 0), "matmuls")
+    return outs
+
+
+def f32_to_f16(x: npt.ArrayLike) -> npt.NDArray[np.float16]:
+    """x rounded to half precision by the active ISA's conversion (what f16 caches store)."""
+    xs = _f32(x).reshape(-1)
+    if xs.size == 0:
+        return np.zeros(np.shape(x), np.float16)
+    width = 1024
+    rows = -(-xs.size // width)
+    padded = np.zeros(rows * width, np.float32)
+    padded[: xs.size] = xs
+    with Cache([(1, width, width)], rows, "f16") as cache:
+        cache.write(0, 0, padded.reshape(rows, width), padded.reshape(rows, width))
+        k = cache.state(rows)[: 2 * rows * width]  # the layer's K rows come first
+        return k.view(np.float16)[: xs.size].reshape(np.shape(x)).copy()
+
+
+# ------------------------------------------------------------------ KV caches
+CacheGeometry = tuple[int, int, int]  # (n_kv_head, head_dim_k, head_dim_v) of one layer
+
+
+def _layers(layers: Any) -> Any:
+    """An ``lm_cache_layer[]`` from cdata or (n_kv_head, head_dim_k, head_dim_v) tuples."""
+    if isinstance(layers, ffi.CData):
+        return layers
+    out = ffi.new("lm_cache_layer[]", max(len(layers), 1))
+    for i, layer in enumerate(layers):
+        if isinstance(layer, ffi.CData):
+            out[i] = layer
+        else:
+            out[i].n_kv_head, out[i].head_dim_k, out[i].head_dim_v = (int(v) for v in layer)
+    return out
+
+
+def cache_bytes_per_pos(layers: Any, n_layer: int | None = None, kv_type: str = "f16") -> int:
+    """Bytes one position takes in a cache of this geometry (K and V of every layer)."""
+    arr = _layers(layers)
+    n = len(layers) if n_layer is None else n_layer
+    size = int(lib.lm_cache_bytes_per_pos(n, arr, _cache_type(kv_type)))
+    check(min(size, 0), "cache_bytes_per_pos")
+    return size
+
+
+def _cache_type(kv_type: str) -> int:
+    try:
+        return CACHE_TYPES[kv_type]
+    except KeyError:
+        raise KernelValueError(
+            f"KV cache type {kv_type!r}: expected one of {', '.join(CACHE_TYPES)}"
+        ) from None
+
+
+class Cache:
+    """A native KV cache of ``n_ctx`` positions (pages commit lazily).
+
+    ``layers`` is the geometry of every layer: ``lm_cache_layer`` cdata or
+    (n_kv_head, head_dim_k, head_dim_v) tuples. ``kv_type`` is "f16" or "f32".
+    """
+
+    def __init__(
+        self, layers: Any, n_ctx: int, kv_type: str = "f16", *, n_layer: int | None = None
+    ) -> None:
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
+            raise KernelValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        arr = _layers(layers)
+        n = len(layers) if n_layer is None else n_layer
+        out = ffi.new("lm_cache **")
+        check(lib.lm_cache_new(n, arr, n_ctx, _cache_type(kv_type), out), "cache_new")
+        self.bytes_per_pos = cache_bytes_per_pos(arr, n, kv_type)
+        self._ptr: Any = ffi.gc(out[0], lib.lm_cache_free, size=self.bytes_per_pos * n_ctx)
+        self.n_ctx = n_ctx
+        self.n_layer = n
+        self.kv_type = kv_type
+        self.layers: list[CacheGeometry] = [
+            (int(arr[i].n_kv_head), int(arr[i].head_dim_k), int(arr[i].head_dim_v))
+            for i in range(n)
+        ]
+
+    @property
+    def ptr(self) -> Any:
+        """The ``lm_cache *``; KernelValueError once closed."""
+        if self._ptr is None:
+            raise KernelValueError("the cache is closed")
+        return self._ptr
+
+    def write(self, layer: int, pos0: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None:
+        """Rows pos0.. of one layer from f32 k (ntok, kv_dim_k) and v (ntok, kv_dim_v)."""
+        ks, vs = _f32(k), _f32(v)
+        ntok = ks.shape[0] if ks.ndim else 0
+        geo = self._geometry(layer)
+        if ks.size != ntok * geo[0] * geo[1] or vs.size != ntok * geo[0] * geo[2]:
+            raise KernelValueError(f"k/v shapes {ks.shape}/{vs.shape} do not fit layer {layer}")
+        check(lib.lm_cache_write(self.ptr, layer, pos0, ntok, _fbuf(ks), _fbuf(vs)), "cache_write")
+
+    def read(self, layer: int, pos0: int, ntok: int) -> tuple[F32Array, F32Array]:
+        """Rows pos0.. of one layer as f32 (ntok, kv_dim_k) and (ntok, kv_dim_v)."""
+        geo = self._geometry(layer)
+        k = np.empty((ntok, geo[0] * geo[1]), np.float32)
+        v = np.empty((ntok, geo[0] * geo[2]), np.float32)
+        check(lib.lm_cache_read(self.ptr, layer, pos0, ntok, _fbuf(k), _fbuf(v)), "cache_read")
+        return k, v
+
+    def _geometry(self, layer: int) -> CacheGeometry:
+        if not 0 <= layer < self.n_layer:
+            raise KernelValueError(f"layer {layer} outside [0, {self.n_layer})")
+        return self.layers[layer]
+
+    def copy_to(self, dst: Cache, n: int) -> None:
+        """Positions [0, n) of every layer into ``dst`` (same geometry and type)."""
+        check(lib.lm_cache_copy(self.ptr, dst.ptr, int(n)), "cache_copy")
+
+    def state(self, n: int) -> npt.NDArray[np.uint8]:
+        """The state of positions [0, n) as bytes (what :meth:`load` takes back)."""
+        size = int(lib.lm_cache_state_bytes(self.ptr, int(n)))
+        check(min(size, 0), "cache_state_bytes")
+        buf = np.empty(size, np.uint8)
+        check(lib.lm_cache_save(self.ptr, int(n), _ubuf(buf), size), "cache_save")
+        return buf
+
+    def load(self, n: int, state: npt.ArrayLike) -> None:
+        """Restore positions [0, n) from :meth:`state`'s bytes."""
+        data = _raw(state)
+        check(lib.lm_cache_load(self.ptr, int(n), _ubuf(data), data.nbytes), "cache_load")
+
+    def attention(
+        self, layer: int, q: npt.ArrayLike, pos0: int, scale: float, window: int = 0,
+        softcap: float = 0.0, pool: Pool | None = None,
+    ) -> F32Array:
+        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok)."""
+        qs = _f32(q)
+        if qs.ndim != 3:
+            raise KernelValueError("q must be (ntok, n_head, head_dim)")
+        out = np.empty_like(qs)
+        check(
+            lib.lm_attention_cached(
+                _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
+                qs.shape[1], float(scale), int(window), float(softcap),
+            ),
+            "attention_cached",
+        )
+        return out
+
+    def close(self) -> None:
+        """Release the memory now instead of at garbage collection."""
+        if self._ptr is not None:
+            ffi.release(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ family models
+def kit_table() -> int:
+    """Address of the kit's function table, for a family module's ``lm_kit_bind``."""
+    return int(ffi.cast("uintptr_t", lib.lm_kit_table()))
+
+
+def as_base(address: int) -> Any:
+    """An ``lm_base *`` of this module's ffi for a family model's address."""
+    return ffi.cast("lm_base *", address)
+
+
+def model_free(base: Any) -> None:
+    """Free a family model (its ``free_model`` callback releases its own memory)."""
+    lib.lm_model_free(base)
+
+
+def model_threads(base: Any) -> int:
+    """Threads of a family model's pool."""
+    return int(lib.lm_base_threads(base))
+
+
+def forward(
+    base: Any, cache: Cache, tokens: npt.NDArray[np.int32], pos: int, logits: F32Array,
+    all_logits: bool,
+) -> None:
+    """Run a family model's forward pass (the chunk driver); the caller checks every size."""
+    check(
+        lib.lm_forward(
+            base,
+            cache.ptr,
+            ffi.cast("int32_t *", ffi.from_buffer(tokens)),
+            tokens.size,
+            int(pos),
+            ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
+            1 if all_logits else 0,
+        ),
+        "forward",
+    )

@@ -1,5 +1,5 @@
 /*
- * Causal grouped-query attention over an f32 KV cache, two-pass (stable) softmax.
+ * Causal grouped-query attention over an f32 or f16 KV cache, two-pass (stable) softmax.
  *
  * Few query tokens (decode): work items are (token, kv head, chunk of keys). An item scores
  * its chunk for every query head of the group while the chunk's keys sit in L1, then sums
@@ -17,7 +17,10 @@
 
 typedef struct {
     const lm_kernels *k;
-    const float *q, *kc, *vc;
+    const float *q;
+    const uint8_t *kc, *vc; /* rows of kv_stride elements of kv_type */
+    int kv_type;            /* LM_F32 or LM_F16 */
+    int64_t kv_stride;
     float *out;
     int64_t ntok, pos0, window, n_ctx;
     int n_head, n_kv_head, head_dim;
@@ -47,12 +50,23 @@ static inline int64_t window_lo(const attn_ctx *c, int64_t pos) {
     return c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
 }
 
+/* Element idx of a K or V cache as f32. */
+static inline float kv_at(const attn_ctx *c, const uint8_t *base, int64_t idx) {
+    return c->kv_type == LM_F16 ? lm_f16((const lm_half *)base + idx)
+                                : ((const float *)base)[idx];
+}
+
+static inline const uint8_t *kv_row(const attn_ctx *c, const uint8_t *base, int64_t idx) {
+    return base + idx * (c->kv_type == LM_F16 ? 2 : 4);
+}
+
 static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
     const attn_ctx *c = arg;
     const lm_kernels *k = c->k;
     const int hd = c->head_dim;
     const int group = c->n_head / c->n_kv_head;
-    const int64_t kv_stride = (int64_t)c->n_kv_head * hd;
+    const int64_t kv_stride = c->kv_stride;
+    const int f16 = c->kv_type == LM_F16;
     float *sc = c->scores + (size_t)thread * (size_t)group * (size_t)c->chunk;
     const int64_t items = c->ntok * c->n_kv_head * c->n_kc;
     const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
@@ -72,13 +86,15 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
             }
             continue;
         }
-        const float *kb = c->kc + j0 * kv_stride + (int64_t)kvh * hd;
-        const float *vb = c->vc + j0 * kv_stride + (int64_t)kvh * hd;
+        const uint8_t *kb = kv_row(c, c->kc, j0 * kv_stride + (int64_t)kvh * hd);
+        const uint8_t *vb = kv_row(c, c->vc, j0 * kv_stride + (int64_t)kvh * hd);
         /* all heads of the group score the chunk first (its keys stay in L1) ... */
         for (int g = 0; g < group; g++) {
             const float *qv = c->q + (t * c->n_head + (int64_t)kvh * group + g) * hd;
             float *s = sc + (int64_t)g * c->chunk;
-            float mx = k->qk_scores(qv, kb, kv_stride, n, hd, c->scale, s);
+            float mx = f16 ? k->qk_scores_f16(qv, (const uint16_t *)kb, kv_stride, n, hd,
+                                              c->scale, s)
+                           : k->qk_scores(qv, (const float *)kb, kv_stride, n, hd, c->scale, s);
             if (c->softcap > 0.0f) {
                 mx = -INFINITY;
                 for (int64_t j = 0; j < n; j++) {
@@ -92,7 +108,12 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
         }
         /* ... then sum the values the same way */
         for (int g = 0; g < group; g++) {
-            k->pv_sum(sc + (int64_t)g * c->chunk, vb, kv_stride, n, hd, part0 + g * part_stride);
+            const float *p = sc + (int64_t)g * c->chunk;
+            if (f16) {
+                k->pv_sum_f16(p, (const uint16_t *)vb, kv_stride, n, hd, part0 + g * part_stride);
+            } else {
+                k->pv_sum(p, (const float *)vb, kv_stride, n, hd, part0 + g * part_stride);
+            }
         }
     }
 }
@@ -131,7 +152,7 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
     (void)thread;
     const attn_ctx *c = arg;
     const int mr = c->mr, hd = c->head_dim;
-    const int64_t kv_stride = (int64_t)c->n_kv_head * hd;
+    const int64_t kv_stride = c->kv_stride;
     const int64_t items = (int64_t)c->n_kv_head * c->n_kp;
     const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
     for (int64_t it = i0; it < i1; it++) {
@@ -140,9 +161,10 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
         float *kd = c->kpack + (h * c->n_kp + kp) * (int64_t)hd * mr;
         for (int r = 0; r < mr; r++) {
             const int64_t key = c->key0 + kp * mr + r;
-            const float *src = c->kc + key * kv_stride + (int64_t)h * hd;
+            const int live = key >= c->first && key < c->n_ctx;
+            const int64_t src = key * kv_stride + (int64_t)h * hd;
             for (int d = 0; d < hd; d++) {
-                kd[(int64_t)d * mr + r] = key >= c->first && key < c->n_ctx ? src[d] : 0.0f;
+                kd[(int64_t)d * mr + r] = live ? kv_at(c, c->kc, src + d) : 0.0f;
             }
         }
         for (int ch = 0; ch < c->n_chunks; ch++) {
@@ -150,10 +172,11 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
                         kp * mr * mr;
             for (int r = 0; r < mr; r++) {
                 const int64_t key = c->key0 + kp * mr + r;
-                const float *src = c->vc + key * kv_stride + (int64_t)h * hd + ch * mr;
+                const int live = key >= c->first && key < c->n_ctx;
+                const int64_t src = key * kv_stride + (int64_t)h * hd + ch * mr;
                 for (int d = 0; d < mr; d++) {
                     const int dd = ch * mr + d;
-                    vd[r * mr + d] = key >= c->first && key < c->n_ctx && dd < hd ? src[d] : 0.0f;
+                    vd[r * mr + d] = live && dd < hd ? kv_at(c, c->vc, src + d) : 0.0f;
                 }
             }
         }
@@ -276,11 +299,13 @@ static int attn_tiled(lm_pool *acq, attn_ctx *c) {
     return LM_OK;
 }
 
-int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, float *out,
-                 int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
-                 float scale, int64_t window, float softcap) {
+/* Attention over K and V rows of kv_type with a row stride of kv_stride elements. */
+int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                       int64_t kv_stride, float *out, int64_t ntok, int64_t pos0, int n_head,
+                       int n_kv_head, int head_dim, float scale, int64_t window, float softcap) {
     if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 ||
-        n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f)) {
+        n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f) ||
+        (kv_type != LM_F32 && kv_type != LM_F16) || kv_stride < (int64_t)n_kv_head * head_dim) {
         return LM_EINVAL;
     }
     if (ntok == 0) {
@@ -294,6 +319,8 @@ int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, 
         .q = q,
         .kc = k,
         .vc = v,
+        .kv_type = kv_type,
+        .kv_stride = kv_stride,
         .out = out,
         .ntok = ntok,
         .pos0 = pos0,
@@ -344,6 +371,13 @@ int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, 
         lm_aligned_free(mem);
     }
     return LM_OK;
+}
+
+int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, float *out,
+                 int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
+                 float scale, int64_t window, float softcap) {
+    return lm_attention_typed(pool, q, k, v, LM_F32, (int64_t)n_kv_head * head_dim, out, ntok,
+                              pos0, n_head, n_kv_head, head_dim, scale, window, softcap);
 }
 
 #undef ATTN_TILED_MIN_TOKENS

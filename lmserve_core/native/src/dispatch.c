@@ -42,6 +42,8 @@ static void init_tables(void) {
         lm_kernels_avx2(&g_tables[LM_ISA_AVX2]);
     }
     if (g_best >= LM_ISA_AVX512) {
+        /* entries the AVX-512 file does not define keep their AVX2 kernels */
+        g_tables[LM_ISA_AVX512] = g_tables[LM_ISA_AVX2];
         lm_kernels_avx512(&g_tables[LM_ISA_AVX512]);
     }
 #endif

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "lmserve/kernels.h"
+#include "lmserve/api.h"
 
 #if defined(__x86_64__) && !defined(LM_NO_SIMD)
 #define LM_HAVE_X86 1
@@ -146,6 +147,35 @@ static inline float lm_f16(const void *p) {
     return lm_f16_table[lm_load_half(p)];
 }
 
+/* Single -> half, rounding to nearest even (IEEE, as F16C and numpy do); NaN stays NaN. */
+static inline lm_half lm_float_to_half(float f) {
+    const uint32_t x = lm_fp32_to_bits(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) { /* inf, nan */
+        return (lm_half)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0));
+    }
+    if (ax >= 0x477ff000u) { /* >= 65520 rounds to inf */
+        return (lm_half)(sign | 0x7c00u);
+    }
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half (or zero) */
+        if (ax < 0x33000000u) { /* below 2^-25, or exactly it (a tie to the even zero) */
+            return (lm_half)sign;
+        }
+        const uint32_t e = ax >> 23;
+        const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - e; /* 14 .. 24 */
+        uint32_t h = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        h += rem > half || (rem == half && (h & 1u));
+        return (lm_half)(sign | h);
+    }
+    uint32_t h = (ax - 0x38000000u) >> 13; /* rebias the exponent, keep 10 mantissa bits */
+    const uint32_t rem = ax & 0x1fffu;
+    h += rem > 0x1000u || (rem == 0x1000u && (h & 1u)); /* a carry moves into the exponent */
+    return (lm_half)(sign | h);
+}
+
 static inline float lm_bf16_to_float(uint16_t h) {
     return lm_fp32_from_bits((uint32_t)h << 16);
 }
@@ -255,6 +285,13 @@ typedef struct {
     float (*qk_scores)(const float *q, const float *k, int64_t ks, int64_t n, int hd,
                        float scale, float *s);
     void (*pv_sum)(const float *p, const float *v, int64_t vs, int64_t n, int hd, float *out);
+    /* the same over f16 K / V rows */
+    float (*qk_scores_f16)(const float *q, const uint16_t *k, int64_t ks, int64_t n, int hd,
+                           float scale, float *s);
+    void (*pv_sum_f16)(const float *p, const uint16_t *v, int64_t vs, int64_t n, int hd,
+                       float *out);
+    /* y[0..n) = x rounded to half (nearest even) */
+    void (*f32_to_f16)(const float *x, uint16_t *y, int64_t n);
 } lm_kernels;
 
 void lm_kernels_portable(lm_kernels *k);
@@ -265,6 +302,32 @@ void lm_kernels_avx512(lm_kernels *k);
 
 /* The table of the active ISA; never NULL. */
 const lm_kernels *lm_kernels_active(void);
+
+/* Return from the enclosing function when a call fails. */
+#define LM_TRY(call)                                                                               \
+    do {                                                                                           \
+        const int lm_rc_ = (call);                                                                 \
+        if (lm_rc_ != LM_OK) return lm_rc_;                                                        \
+    } while (0)
+
+/* ------------------------------------------------------------------ matmul internals */
+/* Below this many tokens the fused per-row dot products (each block decoded once for up to
+ * 8 tokens) beat decode + pack + GEMM. */
+#define LM_GEMM_MIN_TOKENS 32
+
+/* Rows [r0, r1) of y (ntok, rows) = x (ntok, cols) . w^T on the calling thread (dot path). */
+void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t r0, int64_t r1,
+                        int64_t rows, int64_t cols, const float *x, int64_t ntok, float *y);
+
+/* ------------------------------------------------------------------ cache internals */
+/* 1 when the cache was made for this geometry. */
+int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *layers);
+
+/* ------------------------------------------------------------------ attention internals */
+/* lm_attention over K and V rows of kv_type (LM_F32 / LM_F16), row stride kv_stride elements. */
+int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                       int64_t kv_stride, float *out, int64_t ntok, int64_t pos0, int n_head,
+                       int n_kv_head, int head_dim, float scale, int64_t window, float softcap);
 
 /* ------------------------------------------------------------------ pool internals */
 /* Try to take exclusive use of the pool (its workers and scratch). 1 on success. */

@@ -13,9 +13,6 @@
 
 #include "lm_internal.h"
 
-/* Below this many tokens the fused per-row dot products (each block decoded once for up to
- * 8 tokens) beat decode + pack + GEMM. */
-#define GEMM_MIN_TOKENS 32
 
 typedef struct {
     const lm_kernels *k;
@@ -54,35 +51,39 @@ static int64_t min64(int64_t a, int64_t b) {
 }
 
 /* ------------------------------------------------------------------ decode path */
-static void mm_dot_task(void *arg, int task, int n_tasks, int thread) {
-    (void)thread;
-    const mm_ctx *c = arg;
-    lm_dot_fn dot = c->k->dot[c->type];
-    lm_dotn_fn dotn = c->k->dotn[c->type];
-    int64_t r0, r1;
-    split(c->rows, task, n_tasks, &r0, &r1);
+void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t r0, int64_t r1,
+                        int64_t rows, int64_t cols, const float *x, int64_t ntok, float *y) {
+    lm_dot_fn dot = k->dot[type];
+    lm_dotn_fn dotn = k->dotn[type];
     /* software prefetch ~2 KiB ahead: one thread's stream alone does not keep enough
      * reads in flight to approach the memory bandwidth */
-    const int64_t rb = c->row_bytes;
+    const int64_t rb = lm_row_bytes(type, cols);
     const int64_t ahead = rb >= 2048 ? rb : 2048 - 2048 % rb + rb;
-    const uint8_t *end = c->w + r1 * rb;
+    const uint8_t *end = w + r1 * rb;
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = c->w + r * rb;
+        const uint8_t *row = w + r * rb;
         for (const uint8_t *p = row + ahead; p < row + ahead + rb && p < end; p += 64) {
             __builtin_prefetch(p, 0, 3);
         }
-        if (c->ntok == 1 || dotn == NULL) {
-            for (int64_t t = 0; t < c->ntok; t++) {
-                c->y[t * c->rows + r] = dot(row, c->x + t * c->cols, c->cols);
+        if (ntok == 1 || dotn == NULL) {
+            for (int64_t t = 0; t < ntok; t++) {
+                y[t * rows + r] = dot(row, x + t * cols, cols);
             }
         } else {
-            for (int64_t t = 0; t < c->ntok; t += 8) {
-                const int nt = (int)(c->ntok - t < 8 ? c->ntok - t : 8);
-                dotn(row, c->x + t * c->cols, c->cols, c->cols, nt, c->y + t * c->rows + r,
-                     c->rows);
+            for (int64_t t = 0; t < ntok; t += 8) {
+                const int nt = (int)(ntok - t < 8 ? ntok - t : 8);
+                dotn(row, x + t * cols, cols, cols, nt, y + t * rows + r, rows);
             }
         }
     }
+}
+
+static void mm_dot_task(void *arg, int task, int n_tasks, int thread) {
+    (void)thread;
+    const mm_ctx *c = arg;
+    int64_t r0, r1;
+    split(c->rows, task, n_tasks, &r0, &r1);
+    lm_matmul_dot_rows(c->k, c->type, c->w, r0, r1, c->rows, c->cols, c->x, c->ntok, c->y);
 }
 
 /* ------------------------------------------------------------------ GEMM path */
@@ -201,7 +202,7 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
     const int nth = lm_pool_size(acq);
 
-    if (ntok < GEMM_MIN_TOKENS) {
+    if (ntok < LM_GEMM_MIN_TOKENS) {
         /* a few row chunks per thread balance the load when a thread runs late */
         run_job(acq, mm_dot_task, &c, nth == 1 ? 1 : min64((rows + 15) / 16, 8 * nth));
         if (acq != NULL) {
@@ -236,4 +237,3 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     return LM_OK;
 }
 
-#undef GEMM_MIN_TOKENS

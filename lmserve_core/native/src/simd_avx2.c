@@ -464,23 +464,34 @@ T256 static void y_gelu_mul(float *out, const float *gate, const float *up, int6
     y_sigmoid_mul(out, gate, up, n, 1);
 }
 
-/* ------------------------------------------------------------------ attention rows */
-T256 static float y_qk_scores(const float *q, const float *k, int64_t ks, int64_t n, int hd,
-                              float scale, float *s) {
+/* ------------------------------------------------------------------ attention rows
+ * K / V rows are f32 or f16 (widened by F16C on load); `half` is a constant at every call,
+ * so each variant compiles to its own loop. */
+T256 static inline __m256 y_ld_kv(const void *base, int64_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
+                : _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline float y_kv_at(const void *base, int64_t i, int half) {
+    return half ? lm_f16((const uint16_t *)base + i) : ((const float *)base)[i];
+}
+
+T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t ks, int64_t n,
+                                        int hd, float scale, float *s, int half) {
     float mx = -INFINITY;
     int64_t j = 0;
     if (hd % 8 == 0) {
         const __m128 vs = _mm_set1_ps(scale);
         __m128 vmx = _mm_set1_ps(-INFINITY);
         for (; j + 4 <= n; j += 4) {
-            const float *k0 = k + j * ks;
+            const int64_t k0 = j * ks;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int d = 0; d < hd; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + d), a3);
+                a0 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + d, half), a0);
+                a1 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + ks + d, half), a1);
+                a2 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + 2 * ks + d, half), a2);
+                a3 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + 3 * ks + d, half), a3);
             }
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
             const __m128 r = _mm_mul_ps(
@@ -493,35 +504,83 @@ T256 static float y_qk_scores(const float *q, const float *k, int64_t ks, int64_
         mx = _mm_cvtss_f32(vmx);
     }
     for (; j < n; j++) {
-        s[j] = y_vdot_f32(q, k + j * ks, hd) * scale;
+        __m256 acc = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= hd; d += 8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), y_ld_kv(k, j * ks + d, half), acc);
+        }
+        float dot = y_hsum(acc);
+        for (; d < hd; d++) {
+            dot += q[d] * y_kv_at(k, j * ks + d, half);
+        }
+        s[j] = dot * scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     return mx;
 }
 
-T256 static void y_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int hd,
-                          float *out) {
+T256 static inline void y_pv_sum_kv(const float *p, const void *v, int64_t vs, int64_t n, int hd,
+                                    float *out, int half) {
     int d0 = 0;
     for (; d0 + 32 <= hd; d0 += 32) { /* 32 output dims per pass in four registers */
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = v + j * vs + d0;
+            const int64_t r = j * vs + d0;
             const __m256 pj = _mm256_set1_ps(p[j]);
-            o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), o0);
-            o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), o1);
-            o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), o2);
-            o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), o3);
+            o0 = _mm256_fmadd_ps(pj, y_ld_kv(v, r, half), o0);
+            o1 = _mm256_fmadd_ps(pj, y_ld_kv(v, r + 8, half), o1);
+            o2 = _mm256_fmadd_ps(pj, y_ld_kv(v, r + 16, half), o2);
+            o3 = _mm256_fmadd_ps(pj, y_ld_kv(v, r + 24, half), o3);
         }
         _mm256_storeu_ps(out + d0, o0);
         _mm256_storeu_ps(out + d0 + 8, o1);
         _mm256_storeu_ps(out + d0 + 16, o2);
         _mm256_storeu_ps(out + d0 + 24, o3);
     }
-    if (d0 < hd) {
-        memset(out + d0, 0, (size_t)(hd - d0) * sizeof(float));
+    for (; d0 + 8 <= hd; d0 += 8) {
+        __m256 o = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            y_vaxpy_f32(out + d0, p[j], v + j * vs + d0, hd - d0);
+            o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), y_ld_kv(v, j * vs + d0, half), o);
         }
+        _mm256_storeu_ps(out + d0, o);
+    }
+    for (; d0 < hd; d0++) {
+        float o = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            o += p[j] * y_kv_at(v, j * vs + d0, half);
+        }
+        out[d0] = o;
+    }
+}
+
+T256 static float y_qk_scores(const float *q, const float *k, int64_t ks, int64_t n, int hd,
+                              float scale, float *s) {
+    return y_qk_scores_kv(q, k, ks, n, hd, scale, s, 0);
+}
+
+T256 static float y_qk_scores_f16(const float *q, const uint16_t *k, int64_t ks, int64_t n,
+                                  int hd, float scale, float *s) {
+    return y_qk_scores_kv(q, k, ks, n, hd, scale, s, 1);
+}
+
+T256 static void y_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int hd,
+                          float *out) {
+    y_pv_sum_kv(p, v, vs, n, hd, out, 0);
+}
+
+T256 static void y_pv_sum_f16(const float *p, const uint16_t *v, int64_t vs, int64_t n, int hd,
+                              float *out) {
+    y_pv_sum_kv(p, v, vs, n, hd, out, 1);
+}
+
+T256 static void y_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(y + i), h);
+    }
+    for (; i < n; i++) {
+        y[i] = lm_float_to_half(x[i]);
     }
 }
 
@@ -587,6 +646,9 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->gelu_mul = y_gelu_mul;
     k->qk_scores = y_qk_scores;
     k->pv_sum = y_pv_sum;
+    k->qk_scores_f16 = y_qk_scores_f16;
+    k->pv_sum_f16 = y_pv_sum_f16;
+    k->f32_to_f16 = y_f32_to_f16;
 }
 
 #undef T256

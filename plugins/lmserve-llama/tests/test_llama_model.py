@@ -27,9 +27,11 @@ def test_config_reads_llama_keys(tmp_path: Path) -> None:
     gguf, _ = open_tiny(tmp_path, TinySpec(metadata={"some.future_key": 7}))
     cfg = LlamaConfig.from_gguf(gguf)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_kv_head) == (2, 64, 96, 4, 2)
-    assert (cfg.head_dim, cfg.n_rot, cfg.n_vocab, cfg.n_ctx_train) == (16, 16, 128, 256)
-    assert cfg.rope_freq_base == 10000.0 and cfg.rope_freq_scale == 1.0
+    assert (cfg.head_dim, cfg.n_vocab, cfg.n_ctx_train) == (16, 128, 256)
     assert cfg.rms_eps == pytest.approx(1e-5)
+    rope = LlamaModel.load(gguf, n_threads=1).rope
+    assert rope.n_rot == 16 and rope.mscale == 1.0 and rope.mode == 0
+    np.testing.assert_allclose(rope.inv_freq, 10000.0 ** (-np.arange(0, 16, 2) / 16), rtol=1e-6)
 
 
 def test_config_defaults_for_optional_keys(tmp_path: Path) -> None:
@@ -43,8 +45,11 @@ def test_config_defaults_for_optional_keys(tmp_path: Path) -> None:
     )
     gguf, _ = open_tiny(tmp_path, spec)
     cfg = LlamaConfig.from_gguf(gguf)
-    assert cfg.n_kv_head == 4 and cfg.n_rot == 16 and cfg.rope_freq_base == 10000.0
+    assert cfg.n_kv_head == 4
     assert cfg.n_vocab == 128  # from token_embd's rows
+    gguf, _ = open_tiny(tmp_path, TinySpec(drop_metadata=("rope.dimension_count", "rope.freq_base")))
+    rope = LlamaModel.load(gguf, n_threads=1).rope
+    assert rope.n_rot == 16 and rope.inv_freq[1] == pytest.approx(10000.0 ** (-2 / 16))
 
 
 def test_mistral_alias_maps_to_llama(tmp_path: Path) -> None:
@@ -52,9 +57,10 @@ def test_mistral_alias_maps_to_llama(tmp_path: Path) -> None:
     assert LlamaConfig.from_gguf(gguf).architecture == "mistral"
 
 
-def test_linear_rope_scaling_sets_freq_scale(tmp_path: Path) -> None:
+def test_linear_rope_scaling_divides_the_frequencies(tmp_path: Path) -> None:
     gguf, _ = open_tiny(tmp_path, TinySpec(rope_scaling=("linear", 4.0)))
-    assert LlamaConfig.from_gguf(gguf).rope_freq_scale == 0.25
+    rope = LlamaModel.load(gguf, n_threads=1).rope
+    np.testing.assert_allclose(rope.inv_freq, 10000.0 ** (-np.arange(0, 16, 2) / 16) / 4, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -62,10 +68,10 @@ def test_linear_rope_scaling_sets_freq_scale(tmp_path: Path) -> None:
     [
         (TinySpec(arch="gemma3"), "not served by the llama family"),
         (TinySpec(drop_metadata=("block_count",)), "block_count"),
-        (TinySpec(rope_scaling=("yarn", 4.0)), "rope scaling 'yarn'"),
+        (TinySpec(metadata={"block_count": 0}), "block_count 0 is outside"),
         (TinySpec(metadata={"expert_count": 8}), "mixture-of-experts"),
         (TinySpec(metadata={"attention.head_count_kv": 3}), "not a multiple"),
-        (TinySpec(metadata={"rope.dimension_count": 18}), "does not fit head_dim"),
+        (TinySpec(metadata={"embedding_length": "wide"}), "embedding_length expected an integer"),
     ],
 )
 def test_config_rejects(tmp_path: Path, spec: TinySpec, message: str) -> None:
@@ -81,10 +87,13 @@ def test_config_rejects(tmp_path: Path, spec: TinySpec, message: str) -> None:
     ("spec", "message"),
     [
         (TinySpec(tensors={"blk.1.attn_k.weight": np.zeros((32, 48), np.float32)}), "shape"),
-        (TinySpec(tensors={"blk.0.ffn_norm.weight": np.ones(64, np.float16)}), "type F16"),
+        (TinySpec(tensors={"blk.0.ffn_norm.weight": np.ones(64, np.int32)}), "type I32"),
         (TinySpec(drop_tensors=("blk.1.ffn_up.weight",)), "missing"),
         (TinySpec(tensors={"blk.0.attn_q.bias": np.zeros(64, np.float32)}), "unexpected"),
-        (TinySpec(tensors={"rope_freqs.weight": np.ones(8, np.float32)}), "unexpected"),
+        (TinySpec(tensors={"rope_freqs.weight": np.ones(5, np.float32)}), "rope_freqs"),
+        (TinySpec(rope_scaling=("longrope", 4.0)), "rope scaling 'longrope'"),
+        (TinySpec(rope_scaling=("yarn", 4.0)), "original_context_length"),
+        (TinySpec(metadata={"rope.dimension_count": 18}), "does not fit head_dim"),
     ],
 )
 def test_weights_rejected_before_native_code(tmp_path: Path, spec: TinySpec, message: str) -> None:
@@ -108,9 +117,11 @@ def test_weights_rejected_before_native_code(tmp_path: Path, spec: TinySpec, mes
 )
 def test_forward_matches_numpy_reference(tmp_path: Path, spec: TinySpec) -> None:
     gguf, weights = open_tiny(tmp_path, spec)
-    model = LlamaModel.load(gguf, n_threads=2, n_batch=8)  # 8: the prompt spans 3 chunks
+    # 8: the prompt spans 3 chunks; an f32 cache keeps the comparison at f32 rounding
+    model = LlamaModel.load(gguf, n_threads=2, n_batch=8, kv_type="f32")
     ids = list(np.random.default_rng(spec.seed).integers(0, spec.n_vocab, 20))
-    want = reference_forward(weights, spec, ids, model.config.rope_freq_scale)
+    scale = 1.0 / spec.rope_scaling[1] if spec.rope_scaling else 1.0
+    want = reference_forward(weights, spec, ids, scale)
     got = model.forward(model.new_cache(32), ids, 0, all_logits=True)
     assert got.dtype == np.float32 and got.shape == (20, spec.n_vocab)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
@@ -119,10 +130,36 @@ def test_forward_matches_numpy_reference(tmp_path: Path, spec: TinySpec) -> None
     np.testing.assert_allclose(last, got[-1], rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_rope_freqs_tensor_scales_the_frequencies(tmp_path: Path) -> None:
+    factors = np.array([1.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0], np.float32)
+    spec = TinySpec(tensors={"rope_freqs.weight": factors}, seed=4)
+    gguf, weights = open_tiny(tmp_path, spec)
+    model = LlamaModel.load(gguf, n_threads=2, kv_type="f32")
+    ids = [7, 3, 99, 12, 5, 60, 2, 81, 44, 9]
+    want = reference_forward(weights, spec, ids, freq_factors=factors.astype(np.float64))
+    got = model.forward(model.new_cache(16), ids, 0, all_logits=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+    plain = reference_forward(weights, spec, ids)
+    assert np.abs(plain - want).max() > 100 * 2e-4 * np.abs(want).max()  # the factors matter
+
+
+def test_f16_cache_stays_close(tmp_path: Path) -> None:
+    spec = TinySpec(seed=5)
+    gguf, weights = open_tiny(tmp_path, spec)
+    model = LlamaModel.load(gguf, n_threads=2)
+    assert model.kv_type == "f16"
+    ids = list(np.random.default_rng(5).integers(0, spec.n_vocab, 24))
+    want = reference_forward(weights, spec, ids)
+    got = model.forward(model.new_cache(32), ids, 0, all_logits=True)
+    # K and V rounded to half precision: relative error 2^-11 on each, a few 1e-4 on logits
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    assert model.kv_bytes_per_pos == 2 * 2 * spec.n_layer * spec.n_kv_head * 16
+
+
 def test_decode_and_copy_rows_continue_a_prefix(tmp_path: Path) -> None:
     spec = TinySpec()
     gguf, weights = open_tiny(tmp_path, spec)
-    model = LlamaModel.load(gguf, n_threads=2)
+    model = LlamaModel.load(gguf, n_threads=2, kv_type="f32")
     ids = [5, 17, 99, 3, 64, 1, 127, 40]
     want = reference_forward(weights, spec, ids)
     donor = model.new_cache(16)
@@ -146,7 +183,7 @@ def test_forward_validates_in_python(tmp_path: Path) -> None:
         model.forward(cache, [-1], 0)
     with pytest.raises(ValueError, match="at least one token"):
         model.forward(cache, [], 0)
-    with pytest.raises(ValueError, match="cannot copy"):
+    with pytest.raises(ValueError, match="cache_copy"):
         model.copy_rows(cache, model.new_cache(4), 5)
     other = LlamaModel.load(gguf, n_threads=1)
     with pytest.raises(ValueError, match="not made by this model"):

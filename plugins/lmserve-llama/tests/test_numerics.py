@@ -83,7 +83,7 @@ def gguf(gguf_path: str) -> Iterator[GGUFFile]:
 
 @pytest.fixture(scope="module")
 def ours(gguf: GGUFFile) -> LlamaModel:
-    return LlamaModel.load(gguf, n_threads=2)
+    return LlamaModel.load(gguf, n_threads=2, kv_type="f32")
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def test_prefill_equals_token_by_token_decode(ours: LlamaModel, tokenizer: Token
 def test_chunked_prefill_and_prefix_resume(gguf: GGUFFile, tokenizer: Tokenizer) -> None:
     # n_batch 16 pushes the prompt through in several chunks; resuming at a split position
     # over a copied prefix must give the same rows as one pass.
-    small = LlamaModel.load(gguf, n_threads=2, n_batch=16)
+    small = LlamaModel.load(gguf, n_threads=2, n_batch=16, kv_type="f32")
     ids = prompt_ids(tokenizer, PROMPTS[1])
     split = 37  # inside the third chunk of the single pass
     whole = our_logits(small, ids)

@@ -122,11 +122,10 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float = 1e-5) -> np.ndarray:
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, scale: float) -> np.ndarray:
+def _rope(x: np.ndarray, pos: np.ndarray, n_rot: int, inv_freq: np.ndarray) -> np.ndarray:
     """GGML's NORMAL rope: adjacent pairs (2i, 2i+1) of the first n_rot dims rotate."""
     out = x.copy()
-    i = np.arange(n_rot // 2)
-    theta = (pos[:, None] * scale) * base ** (-2.0 * i / n_rot)[None, :]  # (T, n_rot/2)
+    theta = pos[:, None] * inv_freq[None, :]  # (T, n_rot/2)
     cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
     a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
     out[..., 0:n_rot:2] = a * cos - b * sin
@@ -135,10 +134,17 @@ def _rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, scale: float)
 
 
 def reference_forward(
-    w: dict[str, np.ndarray], spec: TinySpec, ids: list[int], freq_scale: float = 1.0
+    w: dict[str, np.ndarray],
+    spec: TinySpec,
+    ids: list[int],
+    freq_scale: float = 1.0,
+    freq_factors: np.ndarray | None = None,
 ) -> np.ndarray:
     """float64 logits (len(ids), n_vocab) of the tiny model from position 0."""
-    w = {k: v.astype(np.float64) for k, v in w.items()}
+    w = {k: v.astype(np.float64) for k, v in w.items() if k != "rope_freqs.weight"}
+    inv_freq = freq_scale * spec.rope_base ** (-2.0 * np.arange(spec.n_rot // 2) / spec.n_rot)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors
     hd = spec.n_embd // spec.n_head
     group = spec.n_head // spec.n_kv_head
     n = len(ids)
@@ -151,8 +157,8 @@ def reference_forward(
         q = (h @ w[p + "attn_q.weight"].T).reshape(n, spec.n_head, hd)
         k = (h @ w[p + "attn_k.weight"].T).reshape(n, spec.n_kv_head, hd)
         v = (h @ w[p + "attn_v.weight"].T).reshape(n, spec.n_kv_head, hd)
-        q = _rope(q, pos, spec.n_rot, spec.rope_base, freq_scale)
-        k = _rope(k, pos, spec.n_rot, spec.rope_base, freq_scale)
+        q = _rope(q, pos, spec.n_rot, inv_freq)
+        k = _rope(k, pos, spec.n_rot, inv_freq)
         att = np.empty_like(q)
         for head in range(spec.n_head):
             kh, vh = k[:, head // group], v[:, head // group]

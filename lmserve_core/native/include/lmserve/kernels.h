@@ -1,13 +1,16 @@
 /*
- * lmserve shared native kernels.
+ * lmserve shared native kernels: the core's own view.
  *
- * One copy of the GGUF block formats, their dot products and GEMM, the small leaf ops of
- * a transformer forward pass, and a thread pool. The core builds them into its own cffi
- * module (lmserve_core._kernels) and every family plugin compiles them into its forward
- * pass module from lmserve_core.native.get_sources() / get_include().
+ * One copy of the GGUF block formats, their dot products and GEMM, the leaf ops of a
+ * transformer forward pass, a thread pool, and the family kit (KV caches, threaded row ops,
+ * layer helpers, the chunk driver). The core builds them once into its cffi module
+ * (lmserve_core._kernels); family modules reach them through the table of lmserve/kit.h.
  *
  * Conventions: functions return LM_OK (0) or a negative status; they never exit or print.
  * Sizes are int64_t element counts. Callers validate every pointer and size.
+ *
+ * The region between the cdef markers is the cffi declaration of these functions (plain C
+ * declarations only, no preprocessor lines); the types are in lmserve/types.h.
  */
 #ifndef LMSERVE_KERNELS_H
 #define LMSERVE_KERNELS_H
@@ -15,42 +18,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "lmserve/types.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* ------------------------------------------------------------------ status codes */
-enum lm_status {
-    LM_OK = 0,
-    LM_EINVAL = -1, /* bad argument (size not a multiple of the block, NULL, ...) */
-    LM_ENOMEM = -2,
-    LM_ETYPE = -3,  /* tensor type not supported */
-    LM_EISA = -4    /* instruction set not available on this CPU */
-};
+/* cdef-begin */
 
-/* ------------------------------------------------------------------ tensor types
- * Values are GGML's type ids, so a GGUF tensor's type passes through unchanged. */
-enum lm_type {
-    LM_F32 = 0,
-    LM_F16 = 1,
-    LM_Q4_0 = 2,
-    LM_Q4_1 = 3,
-    LM_Q5_0 = 6,
-    LM_Q5_1 = 7,
-    LM_Q8_0 = 8,
-    LM_Q4_K = 12,
-    LM_Q5_K = 13,
-    LM_Q6_K = 14,
-    LM_BF16 = 30
-};
-
+/* ------------------------------------------------------------------ tensor types */
 int64_t lm_type_block_elems(int type); /* elements per block; <= 0: unknown type */
 int64_t lm_type_block_bytes(int type); /* bytes per block;    <= 0: unknown type */
 int64_t lm_row_bytes(int type, int64_t n); /* bytes of an n-element row; < 0 if invalid */
 
 /* ------------------------------------------------------------------ ISA dispatch */
-enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
-
 int lm_isa_best(void);          /* the best ISA this CPU supports */
 int lm_isa_active(void);        /* the ISA kernels currently use (default: best) */
 int lm_isa_select(int isa);     /* LM_EISA if the CPU lacks it; process-wide */
@@ -62,9 +43,6 @@ int lm_dequantize_row(int type, const void *src, float *dst, int64_t n);
 int lm_vec_dot(int type, const void *row, const float *x, int64_t n, float *out);
 
 /* ------------------------------------------------------------------ thread pool */
-typedef struct lm_pool lm_pool;
-typedef void (*lm_task_fn)(void *ctx, int ith, int nth);
-
 lm_pool *lm_pool_new(int n_threads); /* n_threads <= 0: one per online core; NULL on failure */
 void lm_pool_free(lm_pool *pool);
 int lm_pool_size(const lm_pool *pool);
@@ -91,7 +69,6 @@ void lm_rmsnorm(float *out, const float *x, const float *weight, int64_t n, floa
 /* Rotary embedding in place on one token's heads: x is n_heads x head_dim. The first
  * n_rot dims of each head rotate. mode LM_ROPE_NORMAL rotates adjacent pairs (2i, 2i+1);
  * LM_ROPE_NEOX rotates (i, i + n_rot/2). theta_i = pos * freq_scale * base^(-2i/n_rot). */
-enum lm_rope_mode { LM_ROPE_NORMAL = 0, LM_ROPE_NEOX = 2 };
 void lm_rope(float *x, int n_heads, int head_dim, int n_rot, int64_t pos, float freq_base,
              float freq_scale, int mode);
 void lm_softmax(float *x, int64_t n);                          /* in place, stable */
@@ -112,6 +89,92 @@ void lm_scale(float *x, float s, int64_t n);
 int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, float *out,
                  int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
                  float scale, int64_t window, float softcap);
+
+
+/* ------------------------------------------------------------------ threaded row ops
+ * Spread over `pool` by rows (inline for small inputs; pool may be NULL). */
+/* out[r] = rmsnorm(x[r]) * w for rows r of n elements; w may be NULL; out may alias x. Per-head
+ * norms are rows of head_dim: rows = ntok * n_heads. */
+int lm_rmsnorm_rows(lm_pool *pool, float *out, const float *x, const float *w, int64_t rows,
+                    int64_t n, float eps);
+/* RoPE in place on x (ntok, n_heads, head_dim); token t sits at position pos0 + t. */
+int lm_rope_rows(lm_pool *pool, float *x, int64_t ntok, int n_heads, int head_dim, int64_t pos0,
+                 const lm_rotary *rope);
+/* out = act(gate) * up over n elements; out may alias gate. */
+int lm_glu_rows(lm_pool *pool, float *out, const float *gate, const float *up, int64_t n,
+                int act);
+int lm_add_rows(float *y, const float *x, int64_t n);   /* y += x */
+int lm_scale_rows(float *x, float s, int64_t n);        /* x *= s */
+int lm_softcap_rows(float *x, int64_t n, float cap);    /* x = cap * tanh(x / cap) */
+/* Several products in one call: for a few tokens the rows of every matrix are split across
+ * the pool in one dispatch (decode wakes the pool once for q, k and v); for many tokens each
+ * product runs the GEMM path. */
+int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok);
+
+/* ------------------------------------------------------------------ KV cache
+ * Per layer, K rows (n_ctx, n_kv_head * head_dim_k) and V rows (n_ctx, n_kv_head * head_dim_v)
+ * stored as `type` (LM_F16 or LM_F32). Zeroed pages are mapped lazily, so memory follows the
+ * positions actually written. */
+int lm_cache_new(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int type,
+                 lm_cache **out);
+void lm_cache_free(lm_cache *cache);
+int64_t lm_cache_n_ctx(const lm_cache *cache);
+int lm_cache_type(const lm_cache *cache);
+/* Bytes one position takes in every layer (K and V). */
+int64_t lm_cache_bytes_per_pos(int n_layer, const lm_cache_layer *layers, int type);
+/* Positions [0, n) of every layer from src into dst (same geometry and type). */
+int lm_cache_copy(const lm_cache *src, lm_cache *dst, int64_t n);
+/* Rows pos0.. of one layer from f32 k (ntok, kv_dim_k) and v (ntok, kv_dim_v), rounded to
+ * the cache's type (round to nearest even). */
+int lm_cache_write(lm_cache *cache, int layer, int64_t pos0, int64_t ntok, const float *k,
+                   const float *v);
+/* Rows pos0.. of one layer back as f32. */
+int lm_cache_read(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok, float *k,
+                  float *v);
+/* The state of positions [0, n): lm_cache_state_bytes bytes saved into / loaded from buf. */
+int64_t lm_cache_state_bytes(const lm_cache *cache, int64_t n);
+int lm_cache_save(const lm_cache *cache, int64_t n, void *buf, int64_t buf_bytes);
+int lm_cache_load(lm_cache *cache, int64_t n, const void *buf, int64_t buf_bytes);
+/* lm_attention over one layer of a cache (rows [0, pos0 + ntok) already written). */
+int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                        float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                        int64_t window, float softcap);
+
+/* ------------------------------------------------------------------ model base and layers */
+/* Fill the kit's part of a family model: a pool of n_threads (<= 0: one per core), the
+ * residual buffers for n_batch tokens, the cache geometry (borrowed) and the family's
+ * callbacks. */
+int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd,
+                 int n_layer, const lm_cache_layer *layers, lm_chunk_fn forward_chunk,
+                 void (*free_model)(void *));
+void lm_base_free(lm_base *b);
+/* Scratch of at least `bytes` (64-byte aligned) owned by b, valid until the next call. */
+void *lm_base_tmp(lm_base *b, size_t bytes);
+int lm_base_threads(const lm_base *b);
+/* b->x = rows `tokens` of the embedding table. */
+int lm_embed(lm_base *b, lm_matrix table, const int32_t *tokens, int64_t ntok);
+/* y (ntok, n_embd) = self-attention of normed x (ntok, n_embd), writing the cache rows. */
+int lm_self_attention(lm_base *b, const lm_attn *a, lm_cache *cache, int layer, const float *x,
+                      int64_t ntok, int64_t pos0, float *y);
+/* y (ntok, n_embd) = gated feed-forward of x. */
+int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float *y);
+/* y (ntok, n_embd) = weighted sum of each token's chosen experts. Decode reads only the
+ * chosen experts' weights; a chunk groups its tokens by expert, so each chosen expert's
+ * weights are streamed once per chunk. */
+int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y);
+/* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none). */
+int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
+              float softcap, float *logits);
+/* The chunk driver: tokens[0..ntok) at positions pos.., in chunks of n_batch; logits of the
+ * last token, or (ntok, n_vocab) with all_logits. Checks ids, positions and cache geometry. */
+int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,
+               float *logits, int all_logits);
+/* Frees a family model through its free_model callback. */
+void lm_model_free(lm_base *b);
+/* The table handed to family modules (lmserve/kit.h). */
+const void *lm_kit_table(void);
+
+/* cdef-end */
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 /*
- * The whole kernel library as one translation unit. Include it once, in the C source of a
- * module that embeds the kernels (after kernels.h), instead of listing the files of
- * lmserve_core.native.get_sources(); compile with lmserve_core.native.compile_args().
+ * The whole kernel library as one translation unit: the source of the core's cffi module
+ * (lmserve_core._kernels), compiled once. Family modules never include it: they reach the
+ * kernels through lmserve/kit.h.
  */
 #ifndef LMSERVE_KERNELS_IMPL_H
 #define LMSERVE_KERNELS_IMPL_H
@@ -14,5 +14,8 @@
 #include "../../src/ops.c"
 #include "../../src/attention.c"
 #include "../../src/pool.c"
+#include "../../src/cache.c"
+#include "../../src/kit.c"
+#include "../../src/api.c"
 
 #endif /* LMSERVE_KERNELS_IMPL_H */

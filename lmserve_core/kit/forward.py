@@ -1,0 +1,280 @@
+"""NativeForwardModel: the Python half of a family whose forward pass is C over the kit.
+
+A family subclasses it, fills its C weight table from the GGUF with :meth:`matrix` and
+:meth:`floats` (each tensor checked for type and shape before a pointer reaches C), and hands
+its config and table to its C build function with :meth:`build`. Everything else a
+``ForwardModel`` does — caches, the forward pass, prefix copies, routing traces, status codes
+turned into exceptions — happens here, over the core's compiled kernels.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmserve_core.gguf_file import GGUFError, GGUFFile, TensorInfo
+from lmserve_core.model import AttentionCache
+from lmserve_core.native import kernels
+
+__all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "Routing"]
+
+# Most tokens per weight pass: large enough that prefill is compute-bound, small enough that
+# the scratch (a few n_batch x n_ff float buffers) stays a few MB.
+DEFAULT_BATCH = 256
+
+_bound: set[int] = set()  # family libs already handed the kit table
+_bind_lock = threading.Lock()
+
+
+class NativeCache(AttentionCache):
+    """A KV cache of one model: full attention rows, f16 or f32, committed lazily."""
+
+    def __init__(self, model: NativeForwardModel, n_ctx: int, kv_type: str) -> None:
+        self.model = model  # the cache's geometry belongs to this model
+        self.native = kernels.Cache(model.cache_layers, n_ctx, kv_type, n_layer=model.n_layer)
+        self.n_ctx = n_ctx
+        self.kv_type = kv_type
+
+    def snapshot(self, n: int) -> npt.NDArray[np.uint8]:
+        """The state of positions [0, n) as bytes."""
+        return self.native.state(n)
+
+    def restore(self, n: int, state: npt.ArrayLike) -> None:
+        """Load positions [0, n) from :meth:`snapshot`'s bytes."""
+        self.native.load(n, state)
+
+    def close(self) -> None:
+        """Release the memory now instead of at garbage collection."""
+        self.native.close()
+
+
+class Routing:
+    """Experts chosen by every MoE layer for every token of a traced forward pass."""
+
+    def __init__(self, ids: npt.NDArray[np.int32], weights: npt.NDArray[np.float32]) -> None:
+        self.ids = ids  # (n_layer, ntok, n_used)
+        self.weights = weights  # (n_layer, ntok, n_used)
+
+
+class NativeForwardModel:
+    """Base of a family's forward pass written in C over the kit (``lmserve/kit.h``).
+
+    ``ffi`` and ``lib`` are the family's cffi module (built by
+    ``lmserve_core.native.family_ffibuilder``). Subclasses call :meth:`matrix`, :meth:`floats`
+    and :meth:`build`; see ``docs/plugins.md``.
+    """
+
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        *,
+        ffi: Any,
+        lib: Any,
+        n_vocab: int,
+        n_ctx_train: int,
+        n_threads: int = 0,
+        n_batch: int = DEFAULT_BATCH,
+        kv_type: str = "f16",
+    ) -> None:
+        if not isinstance(n_batch, int) or n_batch <= 0:
+            raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")
+        if kv_type not in kernels.CACHE_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(kernels.CACHE_TYPES)}")
+        _bind(ffi, lib)
+        self.gguf = gguf  # owns the mapping every weight pointer points into
+        self.ffi = ffi
+        self.lib = lib
+        self.n_vocab = int(n_vocab)
+        self.n_ctx_train = int(n_ctx_train)
+        self.n_threads = n_threads
+        self.n_batch = n_batch
+        self.kv_type = kv_type
+        self.n_layer = 0
+        self.cache_layers: Any = None
+        self.n_used_experts = 0  # > 0 for MoE models: routing can be traced
+        self._keep: list[Any] = []  # buffers whose pointers C holds
+        self._used: set[str] = set()
+        self._base: Any = None
+        self._lock = threading.Lock()  # the model's scratch serves one call at a time
+
+    # ------------------------------------------------------------------ weight table
+
+    def matrix(self, field: Any, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        """Point an ``lm_matrix`` field at tensor ``name``, checked for type and shape."""
+        info = self.gguf.require(name, ggml_types=kernels.MATRIX_TYPES, shape=shape)
+        buf = self.ffi.from_buffer(info.data)
+        self._keep.append(buf)
+        field.data = self.ffi.cast("const void *", buf)
+        field.type = info.ggml_type
+        self._used.add(name)
+        return info
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> Any:
+        """A ``const float *`` to tensor ``name`` (norms, biases): used in place when stored
+        as f32, decoded once into a float32 copy otherwise."""
+        info = self.gguf.require(name, ggml_types=kernels.MATRIX_TYPES, shape=shape)
+        if info.ggml_type == int(kernels.QuantType.F32):
+            data: Any = info.data
+        else:
+            data = kernels.dequantize_row(info.ggml_type, info.data, info.n_elements)
+        buf = self.ffi.from_buffer(data)
+        self._keep.append((data, buf))
+        self._used.add(name)
+        return self.ffi.cast("const float *", buf)
+
+    def optional_floats(self, name: str, shape: tuple[int, ...]) -> Any:
+        """:meth:`floats`, or NULL when the file has no such tensor."""
+        return self.floats(name, shape) if name in self.gguf.tensors else self.ffi.NULL
+
+    def keep(self, obj: Any) -> Any:
+        """Keep ``obj`` (a cffi buffer or array whose pointer C holds) alive with the model."""
+        self._keep.append(obj)
+        return obj
+
+    def use(self, name: str) -> None:
+        """Mark a tensor as read by the family without a pointer to it (e.g. rope_freqs)."""
+        self._used.add(name)
+
+    def refuse_unknown_tensors(self, what: str) -> None:
+        """Raise when the file holds tensors the weight table does not read: a variant
+        (biases, extra norms, experts) this forward pass would silently get wrong."""
+        extra = sorted(set(self.gguf.tensors) - self._used)
+        if extra:
+            more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
+            raise GGUFError(
+                f"{self.gguf.path}: unsupported {what} variant: unexpected tensors "
+                f"{extra[:3]}{more}"
+            )
+
+    def build(
+        self,
+        build_fn: Callable[..., int],
+        *args: Any,
+        cache_layers: Sequence[tuple[int, int, int]],
+        n_used_experts: int = 0,
+    ) -> None:
+        """Call the family's C ``build(*args, n_threads, n_batch, lm_base **out)``.
+
+        ``cache_layers`` is the (n_kv_head, head_dim_k, head_dim_v) of every layer, as the
+        C model declares it in its lm_base (caches are made with it).
+        """
+        out = self.ffi.new("lm_base **")
+        status = build_fn(*args, self.n_threads, self.n_batch, out)
+        kernels.check(status, f"{type(self).__name__} build")
+        address = int(self.ffi.cast("uintptr_t", out[0]))
+        self._base = self.ffi.gc(out[0], lambda _p: kernels.model_free(kernels.as_base(address)))
+        self._core = kernels.as_base(address)
+        self.n_layer = len(cache_layers)
+        if self.n_layer != int(self._core.n_layer):
+            raise RuntimeError("the native model declares another layer count")
+        self.cache_layers = list(cache_layers)
+        self.n_used_experts = n_used_experts
+        self.n_threads = kernels.model_threads(self._core)
+
+    # ------------------------------------------------------------------ ForwardModel
+
+    @property
+    def kv_bytes_per_pos(self) -> int:
+        """Bytes one position of a cache takes (K and V of every layer)."""
+        return kernels.cache_bytes_per_pos(self.cache_layers, self.n_layer, self.kv_type)
+
+    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> NativeCache:
+        """An empty cache for ``n_ctx`` positions (pages commit lazily)."""
+        self._require_open()
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
+            raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        return NativeCache(self, n_ctx, kv_type or self.kv_type)
+
+    def forward(
+        self, cache: Any, tokens: Sequence[int], pos: int, *, all_logits: bool = False
+    ) -> np.ndarray:
+        """Run ``tokens`` at ``pos..``; float32 logits of the last token or of all of them."""
+        ids, pos = self._check_call(cache, tokens, pos)
+        logits = np.empty(
+            (ids.size, self.n_vocab) if all_logits else (self.n_vocab,), np.float32
+        )
+        with self._lock:
+            self._require_open()
+            kernels.forward(self._core, cache.native, ids, pos, logits, all_logits)
+        return logits
+
+    def forward_traced(
+        self, cache: Any, tokens: Sequence[int], pos: int
+    ) -> tuple[np.ndarray, Routing]:
+        """:meth:`forward` with every token's logits and the experts every MoE layer chose."""
+        if self.n_used_experts <= 0:
+            raise ValueError("this model has no experts to trace")
+        ids, pos = self._check_call(cache, tokens, pos)
+        n, k = ids.size, self.n_used_experts
+        chosen = np.full((self.n_layer, n, k), -1, np.int32)
+        weights = np.zeros((self.n_layer, n, k), np.float32)
+        trace = kernels.ffi.new("lm_trace *")
+        trace.ids = kernels.ffi.cast("int32_t *", kernels.ffi.from_buffer(chosen))
+        trace.weights = kernels.ffi.cast("float *", kernels.ffi.from_buffer(weights))
+        trace.cap = n
+        trace.n_used = k
+        logits = np.empty((n, self.n_vocab), np.float32)
+        with self._lock:
+            self._require_open()
+            self._core.trace = trace
+            try:
+                kernels.forward(self._core, cache.native, ids, pos, logits, True)
+            finally:
+                self._core.trace = kernels.ffi.NULL
+        return logits, Routing(chosen, weights)
+
+    def copy_rows(self, src: Any, dst: Any, n: int) -> None:
+        """Copy positions ``[0, n)`` of every layer from cache ``src`` into ``dst``."""
+        self._check_cache(src)
+        self._check_cache(dst)
+        with self._lock:
+            src.native.copy_to(dst.native, n)
+
+    def close(self) -> None:
+        """Free the native model (pool, scratch); caches stay valid to free."""
+        with self._lock:
+            if self._base is not None:
+                self.ffi.release(self._base)
+                self._base = None
+                self._core = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_open(self) -> None:
+        if self._base is None:
+            raise RuntimeError("the model is closed (or was never built)")
+
+    def _check_cache(self, cache: Any) -> None:
+        if not isinstance(cache, NativeCache) or cache.model is not self:
+            raise ValueError("the cache was not made by this model")
+
+    def _check_call(
+        self, cache: Any, tokens: Sequence[int], pos: int
+    ) -> tuple[npt.NDArray[np.int32], int]:
+        self._check_cache(cache)
+        pos = operator.index(pos)
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = int(ids.size)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if pos < 0 or pos + n > cache.n_ctx:
+            raise ValueError(f"positions {pos}..{pos + n - 1} do not fit a cache of {cache.n_ctx}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.n_vocab:
+            raise ValueError(f"token id outside [0, {self.n_vocab})")
+        return np.ascontiguousarray(ids, dtype=np.int32), pos
+
+
+def _bind(ffi: Any, lib: Any) -> None:
+    """Hand the core's kernel table to a family module once."""
+    with _bind_lock:
+        if id(lib) in _bound:
+            return
+        status = lib.lm_kit_bind(ffi.cast("const void *", kernels.kit_table()))
+        if status != 0:
+            kernels.check(status, "binding the family module to the core's kernels")
+        _bound.add(id(lib))

@@ -1,0 +1,86 @@
+/*
+ * The kit ABI: the core functions a family module calls, as X-macro lists.
+ *
+ * The core compiles these once (lmserve_core._kernels) and hands a table of pointers to every
+ * family module at load (lm_kit_bind, lmserve/kit.h); families never compile a copy. Adding a
+ * function appends to a list and bumps nothing; changing or removing one bumps LM_KIT_ABI.
+ *
+ * LM_KIT_INT(X):  X(return type, name, (parameters), (arguments))
+ * LM_KIT_VOID(X): X(name, (parameters), (arguments))
+ */
+#ifndef LMSERVE_API_H
+#define LMSERVE_API_H
+
+#include "lmserve/types.h"
+
+#define LM_KIT_ABI 1
+
+#define LM_KIT_INT(X)                                                                              \
+    X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \
+    X(int, lm_base_init,                                                                           \
+      (lm_base * b, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd, int n_layer, \
+       const lm_cache_layer *layers, lm_chunk_fn forward_chunk, void (*free_model)(void *)),      \
+      (b, n_threads, n_batch, n_vocab, n_embd, n_layer, layers, forward_chunk, free_model))       \
+    X(void *, lm_base_tmp, (lm_base * b, size_t bytes), (b, bytes))                               \
+    X(int, lm_matmul,                                                                              \
+      (lm_pool * pool, int type, const void *w, int64_t rows, int64_t cols, const float *x,      \
+       int64_t ntok, float *y),                                                                    \
+      (pool, type, w, rows, cols, x, ntok, y))                                                     \
+    X(int, lm_matmuls, (lm_pool * pool, const lm_mm *mms, int n, int64_t ntok),                  \
+      (pool, mms, n, ntok))                                                                        \
+    X(int, lm_get_rows,                                                                            \
+      (int type, const void *table, int64_t n_rows, int64_t cols, const int32_t *ids,             \
+       int64_t n_ids, float *out),                                                                 \
+      (type, table, n_rows, cols, ids, n_ids, out))                                                \
+    X(int, lm_rmsnorm_rows,                                                                        \
+      (lm_pool * pool, float *out, const float *x, const float *w, int64_t rows, int64_t n,      \
+       float eps),                                                                                 \
+      (pool, out, x, w, rows, n, eps))                                                             \
+    X(int, lm_rope_rows,                                                                           \
+      (lm_pool * pool, float *x, int64_t ntok, int n_heads, int head_dim, int64_t pos0,          \
+       const lm_rotary *rope),                                                                     \
+      (pool, x, ntok, n_heads, head_dim, pos0, rope))                                              \
+    X(int, lm_glu_rows,                                                                            \
+      (lm_pool * pool, float *out, const float *gate, const float *up, int64_t n, int act),      \
+      (pool, out, gate, up, n, act))                                                               \
+    X(int, lm_add_rows, (float *y, const float *x, int64_t n), (y, x, n))                         \
+    X(int, lm_scale_rows, (float *x, float s, int64_t n), (x, s, n))                              \
+    X(int, lm_softcap_rows, (float *x, int64_t n, float cap), (x, n, cap))                        \
+    X(int, lm_cache_write,                                                                         \
+      (lm_cache * c, int layer, int64_t pos0, int64_t ntok, const float *k, const float *v),     \
+      (c, layer, pos0, ntok, k, v))                                                                \
+    X(int, lm_attention_cached,                                                                    \
+      (lm_pool * pool, const float *q, const lm_cache *c, int layer, float *out, int64_t ntok,   \
+       int64_t pos0, int n_head, float scale, int64_t window, float softcap),                     \
+      (pool, q, c, layer, out, ntok, pos0, n_head, scale, window, softcap))                       \
+    X(int, lm_embed, (lm_base * b, lm_matrix table, const int32_t *tokens, int64_t ntok),        \
+      (b, table, tokens, ntok))                                                                    \
+    X(int, lm_self_attention,                                                                      \
+      (lm_base * b, const lm_attn *a, lm_cache *cache, int layer, const float *x, int64_t ntok,  \
+       int64_t pos0, float *y),                                                                    \
+      (b, a, cache, layer, x, ntok, pos0, y))                                                      \
+    X(int, lm_glu_ffn, (lm_base * b, const lm_ffn *f, const float *x, int64_t ntok, float *y),   \
+      (b, f, x, ntok, y))                                                                          \
+    X(int, lm_moe_ffn,                                                                             \
+      (lm_base * b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y),         \
+      (b, m, layer, x, ntok, y))                                                                   \
+    X(int, lm_logits,                                                                              \
+      (lm_base * b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,      \
+       float softcap, float *logits),                                                              \
+      (b, norm, eps, out, x, n, softcap, logits))
+
+#define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
+
+/* The table: an ABI tag, its own size, then one pointer per function above. */
+#define LM_KIT_FIELD_INT(ret, name, params, args) ret(*name) params;
+#define LM_KIT_FIELD_VOID(name, params, args) void(*name) params;
+typedef struct lm_kit {
+    uint32_t abi;
+    uint32_t size;
+    LM_KIT_INT(LM_KIT_FIELD_INT)
+    LM_KIT_VOID(LM_KIT_FIELD_VOID)
+} lm_kit;
+#undef LM_KIT_FIELD_INT
+#undef LM_KIT_FIELD_VOID
+
+#endif /* LMSERVE_API_H */

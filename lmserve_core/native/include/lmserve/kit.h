@@ -1,0 +1,64 @@
+/*
+ * The family kit, as a family's forward pass sees it.
+ *
+ * A family module includes this header (never lmserve/kernels.h): every lm_* function below
+ * calls the core's compiled kernels through the table the core hands over at load, so the
+ * kernels exist once per process whatever the number of families. The module's main
+ * translation unit defines LM_KIT_MAIN before including it (lmserve_core.native's
+ * family_ffibuilder does), which defines the table pointer and lm_kit_bind.
+ *
+ * What a family writes: its config and weight structs, a build function that fills an
+ * lm_base (lm_base_init) and validates its weights, and its forward_chunk, made of the layer
+ * helpers (lm_embed, lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the threaded
+ * row ops. Sizes are int64_t element counts; every function returns LM_OK or a negative
+ * status; nothing exits or prints.
+ */
+#ifndef LMSERVE_KIT_H
+#define LMSERVE_KIT_H
+
+#include "lmserve/api.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+extern const lm_kit *lm_kit_api;
+
+#define LM_KIT_WRAP_INT(ret, name, params, args)                                                  \
+    static inline ret name params { return lm_kit_api->name args; }
+#define LM_KIT_WRAP_VOID(name, params, args)                                                       \
+    static inline void name params { lm_kit_api->name args; }
+LM_KIT_INT(LM_KIT_WRAP_INT)
+LM_KIT_VOID(LM_KIT_WRAP_VOID)
+#undef LM_KIT_WRAP_INT
+#undef LM_KIT_WRAP_VOID
+
+/* Return from the enclosing function when a kit call fails. */
+#define LM_TRY(call)                                                                               \
+    do {                                                                                           \
+        const int lm_rc_ = (call);                                                                 \
+        if (lm_rc_ != LM_OK) return lm_rc_;                                                        \
+    } while (0)
+
+/* 1 when m is a matrix of a type the kernels decode with rows of `cols` elements. */
+static inline int lm_matrix_ok(lm_matrix m, int64_t cols) {
+    return m.data != NULL && lm_row_bytes(m.type, cols) > 0;
+}
+
+#ifdef LM_KIT_MAIN
+const lm_kit *lm_kit_api = NULL;
+
+/* Take the core's table (lmserve_core.native.kernels.kit_table()); LM_EABI when the core was
+ * built with another kit ABI than this module. */
+int lm_kit_bind(const void *table) {
+    const lm_kit *k = (const lm_kit *)table;
+    if (k == NULL || k->abi != LM_KIT_ABI || k->size < sizeof(lm_kit)) return LM_EABI;
+    lm_kit_api = k;
+    return LM_OK;
+}
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* LMSERVE_KIT_H */

@@ -1,0 +1,180 @@
+/*
+ * lmserve native types: status codes, tensor types and the plain structs shared by the core's
+ * kernels and every family's forward pass.
+ *
+ * The region between the cdef markers is also the cffi declaration of these types (the core's
+ * module and every family module read it): plain C declarations only, no preprocessor lines.
+ */
+#ifndef LMSERVE_TYPES_H
+#define LMSERVE_TYPES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cdef-begin */
+
+/* ------------------------------------------------------------------ status codes
+ * Functions return LM_OK (0) or a negative status; they never exit or print. */
+enum lm_status {
+    LM_OK = 0,
+    LM_EINVAL = -1,   /* bad argument: NULL, size out of range, position past n_ctx */
+    LM_ENOMEM = -2,
+    LM_ETYPE = -3,    /* tensor type not supported */
+    LM_EISA = -4,     /* instruction set not available on this CPU */
+    LM_EABI = -5,     /* a family module built against another kit ABI */
+    LM_EMISMATCH = -6 /* a cache of another geometry than the model's */
+};
+
+/* ------------------------------------------------------------------ tensor types
+ * Values are GGML's type ids, so a GGUF tensor's type passes through unchanged. */
+enum lm_type {
+    LM_F32 = 0,
+    LM_F16 = 1,
+    LM_Q4_0 = 2,
+    LM_Q4_1 = 3,
+    LM_Q5_0 = 6,
+    LM_Q5_1 = 7,
+    LM_Q8_0 = 8,
+    LM_Q4_K = 12,
+    LM_Q5_K = 13,
+    LM_Q6_K = 14,
+    LM_BF16 = 30
+};
+
+enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
+
+/* Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2). */
+enum lm_rope_mode { LM_ROPE_NORMAL = 0, LM_ROPE_NEOX = 2 };
+
+/* Gate activation of a gated feed-forward: act(gate) * up. */
+enum lm_act { LM_ACT_SILU = 0, LM_ACT_GELU_TANH = 1 };
+
+/* How a mixture-of-experts router turns its logits into expert weights. */
+enum lm_gating { LM_GATING_SOFTMAX = 0, LM_GATING_SIGMOID = 1 };
+
+typedef struct lm_pool lm_pool;
+typedef struct lm_cache lm_cache;
+typedef void (*lm_task_fn)(void *ctx, int ith, int nth);
+
+/* A weight matrix as mapped from the GGUF: rows x cols of `type`, row-major, each row
+ * lm_row_bytes(type, cols) bytes. A 3-D expert tensor is n_expert such matrices in a row. */
+typedef struct lm_matrix {
+    const void *data;
+    int type;
+} lm_matrix;
+
+/* One product of a group: y (ntok, rows) = x (ntok, cols) . w^T. */
+typedef struct lm_mm {
+    lm_matrix w;     /* (rows, cols) */
+    int64_t rows;
+    int64_t cols;
+    const float *x;  /* (ntok, cols) */
+    float *y;        /* (ntok, rows) */
+} lm_mm;
+
+/* Rotary position embedding: pair i of a head turns by pos * inv_freq[i]; cos and sin are
+ * multiplied by mscale (the YaRN attention factor, 1 otherwise). Scaling schemes (linear,
+ * llama3, YaRN) are folded into inv_freq by the Python side. */
+typedef struct lm_rotary {
+    int mode;               /* enum lm_rope_mode */
+    int n_rot;              /* rotated dims per head: even, <= head_dim */
+    const float *inv_freq;  /* (n_rot / 2) */
+    float mscale;
+} lm_rotary;
+
+/* One layer's KV cache geometry. */
+typedef struct lm_cache_layer {
+    int n_kv_head;
+    int head_dim_k;
+    int head_dim_v;
+} lm_cache_layer;
+
+/* Self-attention of one layer: projections, optional per-head RMS norm of q and k, RoPE,
+ * cache write, causal attention over the cache, output projection. */
+typedef struct lm_attn {
+    lm_matrix wq;           /* (n_head * head_dim, n_embd) */
+    lm_matrix wk;           /* (n_kv_head * head_dim, n_embd) */
+    lm_matrix wv;           /* (n_kv_head * head_dim, n_embd) */
+    lm_matrix wo;           /* (n_embd, n_head * head_dim) */
+    const float *bq;        /* (n_head * head_dim) bias, or NULL */
+    const float *bk;        /* (n_kv_head * head_dim) bias, or NULL */
+    const float *bv;        /* (n_kv_head * head_dim) bias, or NULL */
+    const float *q_norm;    /* (head_dim) per-head RMS norm weight, or NULL */
+    const float *k_norm;    /* (head_dim) per-head RMS norm weight, or NULL */
+    int n_head;
+    int n_kv_head;
+    int head_dim;
+    float norm_eps;         /* of q_norm / k_norm */
+    float scale;            /* of q . k */
+    int64_t window;         /* sliding window in positions; 0: the whole context */
+    float softcap;          /* cap * tanh(score / cap) before the softmax; 0: none */
+    const lm_rotary *rope;    /* NULL: no rotary embedding */
+} lm_attn;
+
+/* A gated feed-forward: down . (act(gate . x) * (up . x)). */
+typedef struct lm_ffn {
+    lm_matrix gate;         /* (n_ff, n_embd) */
+    lm_matrix up;           /* (n_ff, n_embd) */
+    lm_matrix down;         /* (n_embd, n_ff) */
+    int64_t n_ff;
+    int act;                /* enum lm_act */
+} lm_ffn;
+
+/* A mixture of gated feed-forward experts behind a router. */
+typedef struct lm_moe {
+    lm_matrix router;       /* (n_expert, n_embd) */
+    lm_matrix gate_exps;    /* (n_expert, n_ff, n_embd) */
+    lm_matrix up_exps;      /* (n_expert, n_ff, n_embd) */
+    lm_matrix down_exps;    /* (n_expert, n_embd, n_ff) */
+    int n_expert;
+    int n_used;             /* experts per token (top-k) */
+    int64_t n_ff;           /* of one expert */
+    int gating;             /* enum lm_gating */
+    int norm_weights;       /* renormalise the chosen weights to sum to 1 */
+    float weights_scale;    /* multiplies the chosen weights (1: none) */
+    int act;                /* enum lm_act */
+} lm_moe;
+
+/* The forward pass of one chunk of at most n_batch tokens at positions pos0..: writes their
+ * cache rows, and logits (n_vocab floats per row) for rows [first_logit, ntok). */
+typedef int (*lm_chunk_fn)(void *model, lm_cache *cache, const int32_t *tokens, int64_t ntok,
+                           int64_t pos0, float *logits, int64_t first_logit);
+
+/* Where MoE routing is recorded when a caller asks for it (tests compare it with a
+ * reference): ids and weights of every layer's chosen experts, (n_layer, cap, n_used). */
+typedef struct lm_trace {
+    int32_t *ids;
+    float *weights;
+    int64_t cap;            /* tokens the buffers hold */
+    int n_used;
+} lm_trace;
+
+/* The kit's part of a family model: the family's model struct starts with it. */
+typedef struct lm_base {
+    lm_pool *pool;
+    int64_t n_batch;        /* most tokens pushed through one weight pass */
+    int64_t n_vocab;
+    int64_t n_embd;
+    int n_layer;
+    const lm_cache_layer *cache_layers; /* (n_layer) geometry of the caches it runs on */
+    lm_chunk_fn forward_chunk;
+    void (*free_model)(void *model);    /* frees the family's own allocations, then calls
+                                           lm_base_free */
+    float *x;               /* (n_batch, n_embd) residual stream */
+    float *xb;              /* (n_batch, n_embd) normed input / block output */
+    void *tmp;              /* scratch of the kit's layer helpers, grown on demand */
+    size_t tmp_bytes;
+    lm_trace *trace;        /* NULL unless routing is being recorded */
+    int64_t trace_row;      /* first trace row of the chunk being run */
+} lm_base;
+
+/* cdef-end */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* LMSERVE_TYPES_H */

@@ -1,0 +1,244 @@
+/*
+ * KV caches: per layer, n_ctx rows of keys and n_ctx rows of values in f16 or f32, in one
+ * lazily committed mapping (an 8k-position cache costs only the rows a conversation reaches).
+ */
+#include <stdlib.h>
+
+#include "lm_internal.h"
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#define LM_HAVE_MMAP 1
+#endif
+
+struct lm_cache {
+    int n_layer;
+    int64_t n_ctx;
+    int type;      /* LM_F16 or LM_F32 */
+    size_t esize;  /* bytes per element */
+    lm_cache_layer *layers; /* (n_layer) */
+    size_t *k_off; /* (n_layer) byte offset of the layer's K rows */
+    size_t *v_off; /* (n_layer) byte offset of the layer's V rows */
+    uint8_t *mem;
+    size_t bytes;
+};
+
+/* ============================================================================ memory */
+
+static void *lazy_zeroed(size_t bytes) {
+#ifdef LM_HAVE_MMAP
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+#else
+    return calloc(1, bytes);
+#endif
+}
+
+static void lazy_free(void *p, size_t bytes) {
+    if (p == NULL) return;
+#ifdef LM_HAVE_MMAP
+    munmap(p, bytes);
+#else
+    (void)bytes;
+    free(p);
+#endif
+}
+
+/* ============================================================================ geometry */
+
+static int64_t kdim(const lm_cache_layer *l) { return (int64_t)l->n_kv_head * l->head_dim_k; }
+static int64_t vdim(const lm_cache_layer *l) { return (int64_t)l->n_kv_head * l->head_dim_v; }
+
+static size_t type_size(int type) {
+    return type == LM_F16 ? 2 : type == LM_F32 ? 4 : 0;
+}
+
+static int layers_ok(int n_layer, const lm_cache_layer *layers) {
+    if (n_layer <= 0 || layers == NULL) return 0;
+    for (int l = 0; l < n_layer; l++) {
+        const lm_cache_layer *g = &layers[l];
+        if (g->n_kv_head <= 0 || g->head_dim_k <= 0 || g->head_dim_v <= 0 ||
+            g->n_kv_head > (1 << 16) || g->head_dim_k > (1 << 16) || g->head_dim_v > (1 << 16))
+            return 0;
+    }
+    return 1;
+}
+
+int64_t lm_cache_bytes_per_pos(int n_layer, const lm_cache_layer *layers, int type) {
+    const size_t es = type_size(type);
+    if (es == 0 || !layers_ok(n_layer, layers)) return LM_EINVAL;
+    int64_t total = 0;
+    for (int l = 0; l < n_layer; l++) total += (kdim(&layers[l]) + vdim(&layers[l])) * (int64_t)es;
+    return total;
+}
+
+/* ============================================================================ lifecycle */
+
+int lm_cache_new(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int type,
+                 lm_cache **out) {
+    if (out == NULL) return LM_EINVAL;
+    *out = NULL;
+    const int64_t per_pos = lm_cache_bytes_per_pos(n_layer, layers, type);
+    if (per_pos <= 0 || n_ctx <= 0 || n_ctx > ((int64_t)1 << 40) / per_pos) return LM_EINVAL;
+    lm_cache *c = calloc(1, sizeof *c);
+    if (c == NULL) return LM_ENOMEM;
+    c->n_layer = n_layer;
+    c->n_ctx = n_ctx;
+    c->type = type;
+    c->esize = type_size(type);
+    c->layers = malloc(sizeof *c->layers * (size_t)n_layer);
+    c->k_off = malloc(sizeof *c->k_off * (size_t)n_layer);
+    c->v_off = malloc(sizeof *c->v_off * (size_t)n_layer);
+    if (c->layers == NULL || c->k_off == NULL || c->v_off == NULL) {
+        lm_cache_free(c);
+        return LM_ENOMEM;
+    }
+    size_t off = 0;
+    for (int l = 0; l < n_layer; l++) {
+        c->layers[l] = layers[l];
+        c->k_off[l] = off;
+        off += (size_t)n_ctx * (size_t)kdim(&layers[l]) * c->esize;
+        c->v_off[l] = off;
+        off += (size_t)n_ctx * (size_t)vdim(&layers[l]) * c->esize;
+    }
+    c->bytes = off;
+    c->mem = lazy_zeroed(off);
+    if (c->mem == NULL) {
+        lm_cache_free(c);
+        return LM_ENOMEM;
+    }
+    *out = c;
+    return LM_OK;
+}
+
+void lm_cache_free(lm_cache *cache) {
+    if (cache == NULL) return;
+    lazy_free(cache->mem, cache->bytes);
+    free(cache->layers);
+    free(cache->k_off);
+    free(cache->v_off);
+    free(cache);
+}
+
+int64_t lm_cache_n_ctx(const lm_cache *cache) { return cache == NULL ? 0 : cache->n_ctx; }
+
+int lm_cache_type(const lm_cache *cache) { return cache == NULL ? LM_EINVAL : cache->type; }
+
+/* 1 when the cache was made for this geometry. */
+int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *layers) {
+    if (cache == NULL || layers == NULL || cache->n_layer != n_layer) return 0;
+    for (int l = 0; l < n_layer; l++) {
+        const lm_cache_layer *a = &cache->layers[l], *b = &layers[l];
+        if (a->n_kv_head != b->n_kv_head || a->head_dim_k != b->head_dim_k ||
+            a->head_dim_v != b->head_dim_v)
+            return 0;
+    }
+    return 1;
+}
+
+/* ============================================================================ rows */
+
+int lm_cache_copy(const lm_cache *src, lm_cache *dst, int64_t n) {
+    if (src == NULL || dst == NULL || n < 0 || n > src->n_ctx || n > dst->n_ctx)
+        return LM_EINVAL;
+    if (src->type != dst->type || !lm_cache_matches(dst, src->n_layer, src->layers))
+        return LM_EMISMATCH;
+    if (src == dst || n == 0) return LM_OK;
+    for (int l = 0; l < src->n_layer; l++) {
+        const size_t kb = (size_t)n * (size_t)kdim(&src->layers[l]) * src->esize;
+        const size_t vb = (size_t)n * (size_t)vdim(&src->layers[l]) * src->esize;
+        memcpy(dst->mem + dst->k_off[l], src->mem + src->k_off[l], kb);
+        memcpy(dst->mem + dst->v_off[l], src->mem + src->v_off[l], vb);
+    }
+    return LM_OK;
+}
+
+static int rows_ok(const lm_cache *c, int layer, int64_t pos0, int64_t ntok) {
+    return c != NULL && layer >= 0 && layer < c->n_layer && pos0 >= 0 && ntok >= 0 &&
+           pos0 <= c->n_ctx - ntok;
+}
+
+static void store_row(const lm_cache *c, uint8_t *dst, const float *src, int64_t n) {
+    if (c->type == LM_F16) {
+        lm_kernels_active()->f32_to_f16(src, (uint16_t *)dst, n);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+int lm_cache_write(lm_cache *cache, int layer, int64_t pos0, int64_t ntok, const float *k,
+                   const float *v) {
+    if (!rows_ok(cache, layer, pos0, ntok) || (ntok > 0 && (k == NULL || v == NULL)))
+        return LM_EINVAL;
+    const int64_t kd = kdim(&cache->layers[layer]), vd = vdim(&cache->layers[layer]);
+    uint8_t *kc = cache->mem + cache->k_off[layer] + (size_t)(pos0 * kd) * cache->esize;
+    uint8_t *vc = cache->mem + cache->v_off[layer] + (size_t)(pos0 * vd) * cache->esize;
+    store_row(cache, kc, k, ntok * kd);
+    store_row(cache, vc, v, ntok * vd);
+    return LM_OK;
+}
+
+int lm_cache_read(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok, float *k,
+                  float *v) {
+    if (!rows_ok(cache, layer, pos0, ntok) || (ntok > 0 && (k == NULL || v == NULL)))
+        return LM_EINVAL;
+    const int64_t kd = kdim(&cache->layers[layer]), vd = vdim(&cache->layers[layer]);
+    const uint8_t *kc = cache->mem + cache->k_off[layer] + (size_t)(pos0 * kd) * cache->esize;
+    const uint8_t *vc = cache->mem + cache->v_off[layer] + (size_t)(pos0 * vd) * cache->esize;
+    if (ntok > 0) {
+        const lm_kernels *kt = lm_kernels_active();
+        kt->dequant[cache->type](kc, k, ntok * kd);
+        kt->dequant[cache->type](vc, v, ntok * vd);
+    }
+    return LM_OK;
+}
+
+/* ============================================================================ state */
+
+int64_t lm_cache_state_bytes(const lm_cache *cache, int64_t n) {
+    if (cache == NULL || n < 0 || n > cache->n_ctx) return LM_EINVAL;
+    return n * lm_cache_bytes_per_pos(cache->n_layer, cache->layers, cache->type);
+}
+
+/* Visit each layer's K then V rows [0, n) in the state's order. */
+static int state_copy(const lm_cache *cache, int64_t n, uint8_t *buf, int64_t buf_bytes,
+                      int save) {
+    const int64_t need = lm_cache_state_bytes(cache, n);
+    if (need < 0 || buf == NULL || buf_bytes < need) return LM_EINVAL;
+    size_t at = 0;
+    for (int l = 0; l < cache->n_layer; l++) {
+        const size_t kb = (size_t)n * (size_t)kdim(&cache->layers[l]) * cache->esize;
+        const size_t vb = (size_t)n * (size_t)vdim(&cache->layers[l]) * cache->esize;
+        uint8_t *kc = cache->mem + cache->k_off[l], *vc = cache->mem + cache->v_off[l];
+        if (save) {
+            memcpy(buf + at, kc, kb);
+            memcpy(buf + at + kb, vc, vb);
+        } else {
+            memcpy(kc, buf + at, kb);
+            memcpy(vc, buf + at + kb, vb);
+        }
+        at += kb + vb;
+    }
+    return LM_OK;
+}
+
+int lm_cache_save(const lm_cache *cache, int64_t n, void *buf, int64_t buf_bytes) {
+    return state_copy(cache, n, buf, buf_bytes, 1);
+}
+
+int lm_cache_load(lm_cache *cache, int64_t n, const void *buf, int64_t buf_bytes) {
+    return state_copy(cache, n, (uint8_t *)(uintptr_t)buf, buf_bytes, 0);
+}
+
+/* ============================================================================ attention */
+
+int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                        float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                        int64_t window, float softcap) {
+    if (!rows_ok(cache, layer, pos0, ntok)) return LM_EINVAL;
+    const lm_cache_layer *g = &cache->layers[layer];
+    if (g->head_dim_k != g->head_dim_v) return LM_EINVAL;
+    return lm_attention_typed(pool, q, cache->mem + cache->k_off[layer],
+                              cache->mem + cache->v_off[layer], cache->type, kdim(g), out, ntok,
+                              pos0, n_head, g->n_kv_head, g->head_dim_k, scale, window, softcap);
+}

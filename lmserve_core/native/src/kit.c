@@ -1,0 +1,529 @@
+/*
+ * The family kit: what every forward pass shares, compiled once in the core.
+ *
+ *   threaded row ops   rmsnorm (per token or per head), RoPE, gated activations, products
+ *                      of several matrices in one pool dispatch
+ *   model base         pool, residual buffers, layer-helper scratch, the chunk driver
+ *   layer helpers      embedding, self-attention over a KV cache, gated feed-forward,
+ *                      mixture of experts, output head
+ *
+ * A family's forward_chunk strings the layer helpers together; its own C is the weight
+ * table and the order of the blocks.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "lm_internal.h"
+
+/* Below this many elements a row op runs on the calling thread: waking the pool costs
+ * more than the work. */
+#define ROW_OP_MIN_ELEMS 16384
+#define ROPE_PAIRS_MAX 512 /* cos / sin of one position computed at a time */
+
+static int64_t kit_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static void split_range(int64_t n, int ith, int nth, int64_t *lo, int64_t *hi) {
+    *lo = n * ith / nth;
+    *hi = n * (ith + 1) / nth;
+}
+
+/* ============================================================================ row ops */
+
+typedef struct {
+    float *out;
+    const float *x, *w;
+    int64_t rows, n;
+    float eps;
+} rmsnorm_job;
+
+static void rmsnorm_run(void *ctx, int ith, int nth) {
+    const rmsnorm_job *j = ctx;
+    int64_t lo, hi;
+    split_range(j->rows, ith, nth, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        lm_rmsnorm(j->out + r * j->n, j->x + r * j->n, j->w, j->n, j->eps);
+    }
+}
+
+int lm_rmsnorm_rows(lm_pool *pool, float *out, const float *x, const float *w, int64_t rows,
+                    int64_t n, float eps) {
+    if (rows < 0 || n <= 0 || !(eps >= 0.0f) || (rows > 0 && (out == NULL || x == NULL)))
+        return LM_EINVAL;
+    rmsnorm_job j = {out, x, w, rows, n, eps};
+    lm_pool_run(rows > 1 && rows * n >= ROW_OP_MIN_ELEMS ? pool : NULL, rmsnorm_run, &j);
+    return LM_OK;
+}
+
+typedef struct {
+    float *x;
+    int64_t ntok, pos0;
+    int n_heads, head_dim;
+    const lm_rotary *r;
+} rope_job;
+
+static void rope_token(const rope_job *j, int64_t t) {
+    const lm_rotary *r = j->r;
+    const int half = r->n_rot / 2;
+    float cs[ROPE_PAIRS_MAX], sn[ROPE_PAIRS_MAX];
+    /* the angle is formed in float like the float32 references: pos * inv_freq */
+    const float p = (float)(j->pos0 + t);
+    float *xt = j->x + t * (int64_t)j->n_heads * j->head_dim;
+    for (int i0 = 0; i0 < half; i0 += ROPE_PAIRS_MAX) {
+        const int cnt = half - i0 < ROPE_PAIRS_MAX ? half - i0 : ROPE_PAIRS_MAX;
+        for (int i = 0; i < cnt; i++) {
+            const float theta = p * r->inv_freq[i0 + i];
+            cs[i] = cosf(theta) * r->mscale;
+            sn[i] = sinf(theta) * r->mscale;
+        }
+        for (int h = 0; h < j->n_heads; h++) {
+            float *v = xt + (int64_t)h * j->head_dim;
+            for (int i = 0; i < cnt; i++) {
+                const int a = r->mode == LM_ROPE_NEOX ? i0 + i : 2 * (i0 + i);
+                const int b = r->mode == LM_ROPE_NEOX ? i0 + i + half : a + 1;
+                const float x0 = v[a], x1 = v[b];
+                v[a] = x0 * cs[i] - x1 * sn[i];
+                v[b] = x0 * sn[i] + x1 * cs[i];
+            }
+        }
+    }
+}
+
+static void rope_run(void *ctx, int ith, int nth) {
+    const rope_job *j = ctx;
+    for (int64_t t = ith; t < j->ntok; t += nth) rope_token(j, t);
+}
+
+int lm_rope_rows(lm_pool *pool, float *x, int64_t ntok, int n_heads, int head_dim, int64_t pos0,
+                 const lm_rotary *rope) {
+    if (rope == NULL || ntok < 0 || pos0 < 0 || n_heads <= 0 || head_dim <= 0 ||
+        rope->n_rot < 0 || rope->n_rot > head_dim || rope->n_rot % 2 != 0 ||
+        (rope->mode != LM_ROPE_NORMAL && rope->mode != LM_ROPE_NEOX) ||
+        (rope->n_rot > 0 && rope->inv_freq == NULL) || (ntok > 0 && x == NULL))
+        return LM_EINVAL;
+    if (rope->n_rot == 0 || ntok == 0) return LM_OK;
+    rope_job j = {x, ntok, pos0, n_heads, head_dim, rope};
+    lm_pool_run(ntok > 1 ? pool : NULL, rope_run, &j);
+    return LM_OK;
+}
+
+typedef struct {
+    float *out;
+    const float *gate, *up;
+    int64_t n;
+    int act;
+} glu_job;
+
+static void glu_run(void *ctx, int ith, int nth) {
+    const glu_job *j = ctx;
+    int64_t lo, hi;
+    split_range(j->n, ith, nth, &lo, &hi);
+    lo &= ~(int64_t)15; /* vector-aligned slices: same rounding whatever the split */
+    hi = ith == nth - 1 ? j->n : hi & ~(int64_t)15;
+    if (lo >= hi) return;
+    if (j->act == LM_ACT_GELU_TANH) {
+        lm_gelu_mul(j->out + lo, j->gate + lo, j->up + lo, hi - lo);
+    } else {
+        lm_silu_mul(j->out + lo, j->gate + lo, j->up + lo, hi - lo);
+    }
+}
+
+int lm_glu_rows(lm_pool *pool, float *out, const float *gate, const float *up, int64_t n,
+                int act) {
+    if (n < 0 || (act != LM_ACT_SILU && act != LM_ACT_GELU_TANH) ||
+        (n > 0 && (out == NULL || gate == NULL || up == NULL)))
+        return LM_EINVAL;
+    glu_job j = {out, gate, up, n, act};
+    lm_pool_run(n >= ROW_OP_MIN_ELEMS ? pool : NULL, glu_run, &j);
+    return LM_OK;
+}
+
+int lm_add_rows(float *y, const float *x, int64_t n) {
+    if (n < 0 || (n > 0 && (y == NULL || x == NULL))) return LM_EINVAL;
+    lm_add(y, y, x, n);
+    return LM_OK;
+}
+
+int lm_scale_rows(float *x, float s, int64_t n) {
+    if (n < 0 || (n > 0 && x == NULL)) return LM_EINVAL;
+    lm_scale(x, s, n);
+    return LM_OK;
+}
+
+int lm_softcap_rows(float *x, int64_t n, float cap) {
+    if (n < 0 || !(cap > 0.0f) || (n > 0 && x == NULL)) return LM_EINVAL;
+    for (int64_t i = 0; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+    return LM_OK;
+}
+
+/* ============================================================================ product groups */
+
+typedef struct {
+    const lm_kernels *k;
+    const lm_mm *mms;
+    int n;
+    int64_t ntok;
+    int64_t total; /* rows of all products */
+} mms_ctx;
+
+/* Task t covers a slice of the concatenated rows of every product. */
+static void mms_task(void *arg, int task, int n_tasks, int thread) {
+    (void)thread;
+    const mms_ctx *c = arg;
+    int64_t lo, hi;
+    split_range(c->total, task, n_tasks, &lo, &hi);
+    int64_t base = 0;
+    for (int i = 0; i < c->n && lo < hi; i++) {
+        const lm_mm *m = &c->mms[i];
+        const int64_t end = base + m->rows;
+        if (lo < end) {
+            const int64_t r1 = hi < end ? hi : end;
+            lm_matmul_dot_rows(c->k, m->w.type, m->w.data, lo - base, r1 - base, m->rows,
+                               m->cols, m->x, c->ntok, m->y);
+            lo = r1;
+        }
+        base = end;
+    }
+}
+
+int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
+    if (n < 0 || ntok < 0 || (n > 0 && mms == NULL)) return LM_EINVAL;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        const lm_mm *m = &mms[i];
+        if (lm_type_block_elems(m->w.type) <= 0) return LM_ETYPE;
+        if (m->rows < 0 || lm_row_bytes(m->w.type, m->cols) <= 0 ||
+            (m->rows > 0 && (m->w.data == NULL || m->x == NULL || m->y == NULL)))
+            return LM_EINVAL;
+        total += m->rows;
+    }
+    if (total == 0 || ntok == 0) return LM_OK;
+    if (ntok >= LM_GEMM_MIN_TOKENS) {
+        for (int i = 0; i < n; i++) {
+            const lm_mm *m = &mms[i];
+            LM_TRY(lm_matmul(pool, m->w.type, m->w.data, m->rows, m->cols, m->x, ntok,
+                                      m->y));
+        }
+        return LM_OK;
+    }
+    mms_ctx c = {lm_kernels_active(), mms, n, ntok, total};
+    lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
+    const int nth = lm_pool_size(acq);
+    if (acq == NULL) {
+        mms_task(&c, 0, 1, 0);
+        return LM_OK;
+    }
+    /* a few slices per thread balance the load when a thread runs late */
+    lm_pool_run_tasks(acq, mms_task, &c, (int)kit_min64((total + 15) / 16, 8 * nth));
+    lm_pool_release(acq);
+    return LM_OK;
+}
+
+/* ============================================================================ model base */
+
+int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd,
+                 int n_layer, const lm_cache_layer *layers, lm_chunk_fn forward_chunk,
+                 void (*free_model)(void *)) {
+    if (b == NULL) return LM_EINVAL;
+    memset(b, 0, sizeof *b);
+    if (n_batch <= 0 || n_batch > (1 << 20) || n_vocab <= 0 || n_embd <= 0 ||
+        n_embd > (1 << 20) || n_layer <= 0 || forward_chunk == NULL ||
+        lm_cache_bytes_per_pos(n_layer, layers, LM_F32) <= 0)
+        return LM_EINVAL;
+    b->n_batch = n_batch;
+    b->n_vocab = n_vocab;
+    b->n_embd = n_embd;
+    b->n_layer = n_layer;
+    b->cache_layers = layers;
+    b->forward_chunk = forward_chunk;
+    b->free_model = free_model;
+    const size_t bytes = sizeof(float) * (size_t)n_batch * (size_t)n_embd;
+    b->x = lm_aligned_alloc(bytes);
+    b->xb = lm_aligned_alloc(bytes);
+    b->pool = lm_pool_new(n_threads);
+    if (b->x == NULL || b->xb == NULL || b->pool == NULL) {
+        lm_base_free(b);
+        return LM_ENOMEM;
+    }
+    return LM_OK;
+}
+
+void lm_base_free(lm_base *b) {
+    if (b == NULL) return;
+    lm_pool_free(b->pool);
+    lm_aligned_free(b->x);
+    lm_aligned_free(b->xb);
+    lm_aligned_free(b->tmp);
+    b->pool = NULL;
+    b->x = b->xb = NULL;
+    b->tmp = NULL;
+    b->tmp_bytes = 0;
+}
+
+void *lm_base_tmp(lm_base *b, size_t bytes) {
+    if (b == NULL) return NULL;
+    if (bytes > b->tmp_bytes) {
+        void *p = lm_aligned_alloc(bytes);
+        if (p == NULL) return NULL;
+        lm_aligned_free(b->tmp);
+        b->tmp = p;
+        b->tmp_bytes = bytes;
+    }
+    return b->tmp;
+}
+
+int lm_base_threads(const lm_base *b) { return b == NULL ? 0 : lm_pool_size(b->pool); }
+
+void lm_model_free(lm_base *b) {
+    if (b == NULL) return;
+    if (b->free_model != NULL) {
+        b->free_model(b);
+    } else {
+        lm_base_free(b);
+    }
+}
+
+/* Carve 64-byte aligned float arrays of the given lengths out of the base's scratch. */
+static int carve(lm_base *b, int n, float **out[], const int64_t *lens) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += ((size_t)lens[i] * sizeof(float) + 63) & ~(size_t)63;
+    uint8_t *mem = lm_base_tmp(b, total);
+    if (mem == NULL) return LM_ENOMEM;
+    for (int i = 0; i < n; i++) {
+        *out[i] = (float *)mem;
+        mem += ((size_t)lens[i] * sizeof(float) + 63) & ~(size_t)63;
+    }
+    return LM_OK;
+}
+
+/* ============================================================================ layer helpers */
+
+int lm_embed(lm_base *b, lm_matrix table, const int32_t *tokens, int64_t ntok) {
+    if (b == NULL || ntok < 0 || ntok > b->n_batch) return LM_EINVAL;
+    return lm_get_rows(table.type, table.data, b->n_vocab, b->n_embd, tokens, ntok, b->x);
+}
+
+static void add_bias(float *y, const float *bias, int64_t ntok, int64_t n) {
+    if (bias == NULL) return;
+    for (int64_t t = 0; t < ntok; t++) lm_add(y + t * n, y + t * n, bias, n);
+}
+
+int lm_self_attention(lm_base *b, const lm_attn *a, lm_cache *cache, int layer, const float *x,
+                      int64_t ntok, int64_t pos0, float *y) {
+    if (b == NULL || a == NULL || x == NULL || y == NULL || layer < 0 || layer >= b->n_layer ||
+        ntok < 0 || ntok > b->n_batch)
+        return LM_EINVAL;
+    const lm_cache_layer *g = &b->cache_layers[layer];
+    if (a->n_head <= 0 || a->n_kv_head != g->n_kv_head || a->head_dim != g->head_dim_k ||
+        a->head_dim != g->head_dim_v || a->n_head % a->n_kv_head != 0)
+        return LM_EMISMATCH;
+    if (ntok == 0) return LM_OK;
+    const int64_t D = b->n_embd, QD = (int64_t)a->n_head * a->head_dim;
+    const int64_t KVD = (int64_t)a->n_kv_head * a->head_dim;
+    float *q, *k, *v, *att;
+    float **bufs[] = {&q, &k, &v, &att};
+    const int64_t lens[] = {ntok * QD, ntok * KVD, ntok * KVD, ntok * QD};
+    LM_TRY(carve(b, 4, bufs, lens));
+    lm_pool *pool = b->pool;
+
+    const lm_mm qkv[3] = {
+        {a->wq, QD, D, x, q},
+        {a->wk, KVD, D, x, k},
+        {a->wv, KVD, D, x, v},
+    };
+    LM_TRY(lm_matmuls(pool, qkv, 3, ntok));
+    add_bias(q, a->bq, ntok, QD);
+    add_bias(k, a->bk, ntok, KVD);
+    add_bias(v, a->bv, ntok, KVD);
+    if (a->q_norm != NULL)
+        LM_TRY(lm_rmsnorm_rows(pool, q, q, a->q_norm, ntok * a->n_head, a->head_dim,
+                                        a->norm_eps));
+    if (a->k_norm != NULL)
+        LM_TRY(lm_rmsnorm_rows(pool, k, k, a->k_norm, ntok * a->n_kv_head, a->head_dim,
+                                        a->norm_eps));
+    if (a->rope != NULL) {
+        LM_TRY(lm_rope_rows(pool, q, ntok, a->n_head, a->head_dim, pos0, a->rope));
+        LM_TRY(lm_rope_rows(pool, k, ntok, a->n_kv_head, a->head_dim, pos0, a->rope));
+    }
+    LM_TRY(lm_cache_write(cache, layer, pos0, ntok, k, v));
+    LM_TRY(lm_attention_cached(pool, q, cache, layer, att, ntok, pos0, a->n_head,
+                                        a->scale, a->window, a->softcap));
+    return lm_matmul(pool, a->wo.type, a->wo.data, D, QD, att, ntok, y);
+}
+
+int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float *y) {
+    if (b == NULL || f == NULL || x == NULL || y == NULL || ntok < 0 || ntok > b->n_batch ||
+        f->n_ff <= 0)
+        return LM_EINVAL;
+    if (ntok == 0) return LM_OK;
+    const int64_t D = b->n_embd, FF = f->n_ff;
+    float *hb, *hb2;
+    float **bufs[] = {&hb, &hb2};
+    const int64_t lens[] = {ntok * FF, ntok * FF};
+    LM_TRY(carve(b, 2, bufs, lens));
+    const lm_mm gu[2] = {{f->gate, FF, D, x, hb}, {f->up, FF, D, x, hb2}};
+    LM_TRY(lm_matmuls(b->pool, gu, 2, ntok));
+    LM_TRY(lm_glu_rows(b->pool, hb, hb, hb2, ntok * FF, f->act));
+    return lm_matmul(b->pool, f->down.type, f->down.data, D, FF, hb, ntok, y);
+}
+
+/* ---------------------------------------------------------------------------- experts */
+
+/* Chosen experts and their weights for one token's router logits (overwritten). */
+static void moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
+    const int E = m->n_expert, K = m->n_used;
+    if (m->gating == LM_GATING_SIGMOID) {
+        for (int e = 0; e < E; e++) logits[e] = 1.0f / (1.0f + expf(-logits[e]));
+    } else {
+        lm_softmax(logits, E);
+    }
+    /* top-k by selection: E is at most a few hundred; ties keep the lower index */
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= ids[j] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        ids[k] = best;
+        w[k] = logits[best];
+    }
+    if (m->norm_weights) {
+        float sum = 0.0f;
+        for (int k = 0; k < K; k++) sum += w[k];
+        for (int k = 0; k < K; k++) w[k] /= sum;
+    }
+    if (m->weights_scale != 1.0f) {
+        for (int k = 0; k < K; k++) w[k] *= m->weights_scale;
+    }
+}
+
+static const uint8_t *expert(lm_matrix t, int e, int64_t rows, int64_t cols) {
+    return (const uint8_t *)t.data + (size_t)e * (size_t)rows * (size_t)lm_row_bytes(t.type, cols);
+}
+
+int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y) {
+    if (b == NULL || m == NULL || x == NULL || y == NULL || ntok < 0 || ntok > b->n_batch ||
+        m->n_expert <= 0 || m->n_used <= 0 || m->n_used > m->n_expert || m->n_expert > 4096 ||
+        m->n_ff <= 0 || layer < 0 || layer >= b->n_layer)
+        return LM_EINVAL;
+    if (ntok == 0) return LM_OK;
+    const int64_t D = b->n_embd, FF = m->n_ff;
+    const int E = m->n_expert, K = m->n_used;
+    const int64_t NK = ntok * K; /* (token, choice) pairs */
+    float *logits, *wts, *xe, *he, *he2, *oe, *ids_f, *order_f, *count_f;
+    float **bufs[] = {&logits, &wts, &xe, &he, &he2, &oe, &ids_f, &order_f, &count_f};
+    const int64_t lens[] = {ntok * E, NK, NK * D, NK * FF, NK * FF, NK * D, NK, NK, E + 1};
+    LM_TRY(carve(b, 9, bufs, lens));
+    int32_t *ids = (int32_t *)ids_f, *order = (int32_t *)order_f, *start = (int32_t *)count_f;
+    lm_pool *pool = b->pool;
+
+    LM_TRY(lm_matmul(pool, m->router.type, m->router.data, E, D, x, ntok, logits));
+    for (int64_t t = 0; t < ntok; t++) moe_route(m, logits + t * E, ids + t * K, wts + t * K);
+    lm_trace *tr = b->trace;
+    if (tr != NULL && tr->n_used == K && b->trace_row + ntok <= tr->cap) {
+        const size_t at = ((size_t)layer * (size_t)tr->cap + (size_t)b->trace_row) * (size_t)K;
+        memcpy(tr->ids + at, ids, sizeof(int32_t) * (size_t)NK);
+        memcpy(tr->weights + at, wts, sizeof(float) * (size_t)NK);
+    }
+
+    /* Group the pairs by expert: order[] lists pair indices expert by expert, so each
+     * chosen expert's matrices are read once for all of its tokens. */
+    memset(start, 0, sizeof(int32_t) * (size_t)(E + 1));
+    for (int64_t i = 0; i < NK; i++) start[ids[i] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t i = 0; i < NK; i++) order[start[ids[i]]++] = (int32_t)i;
+    for (int e = E; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
+    for (int64_t r = 0; r < NK; r++) {
+        memcpy(xe + r * D, x + (order[r] / K) * D, sizeof(float) * (size_t)D);
+    }
+
+    /* gate and up of every chosen expert, then down. With few rows per expert (decode) all
+     * experts go through one pool dispatch per stage. */
+    int64_t max_rows = 0;
+    for (int e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e];
+        max_rows = n > max_rows ? n : max_rows;
+    }
+    if (max_rows == 1 && NK <= 64) {
+        lm_mm gu[128], dn[64];
+        int n_gu = 0, n_dn = 0;
+        for (int e = 0; e < E; e++) {
+            const int64_t r = start[e];
+            if (start[e + 1] == r) continue;
+            gu[n_gu++] = (lm_mm){{expert(m->gate_exps, e, FF, D), m->gate_exps.type}, FF, D,
+                                 xe + r * D, he + r * FF};
+            gu[n_gu++] = (lm_mm){{expert(m->up_exps, e, FF, D), m->up_exps.type}, FF, D,
+                                 xe + r * D, he2 + r * FF};
+            dn[n_dn++] = (lm_mm){{expert(m->down_exps, e, D, FF), m->down_exps.type}, D, FF,
+                                 he + r * FF, oe + r * D};
+        }
+        LM_TRY(lm_matmuls(pool, gu, n_gu, 1));
+        LM_TRY(lm_glu_rows(pool, he, he, he2, NK * FF, m->act));
+        LM_TRY(lm_matmuls(pool, dn, n_dn, 1));
+    } else {
+        for (int e = 0; e < E; e++) {
+            const int64_t r = start[e], n = start[e + 1] - r;
+            if (n == 0) continue;
+            const lm_mm gu[2] = {
+                {{expert(m->gate_exps, e, FF, D), m->gate_exps.type}, FF, D, xe + r * D, he + r * FF},
+                {{expert(m->up_exps, e, FF, D), m->up_exps.type}, FF, D, xe + r * D, he2 + r * FF},
+            };
+            LM_TRY(lm_matmuls(pool, gu, 2, n));
+        }
+        LM_TRY(lm_glu_rows(pool, he, he, he2, NK * FF, m->act));
+        for (int e = 0; e < E; e++) {
+            const int64_t r = start[e], n = start[e + 1] - r;
+            if (n == 0) continue;
+            LM_TRY(lm_matmul(pool, m->down_exps.type, expert(m->down_exps, e, D, FF), D,
+                                      FF, he + r * FF, n, oe + r * D));
+        }
+    }
+
+    /* y[t] = sum over its choices of weight * expert output (x is no longer read: y may
+     * alias it) */
+    memset(y, 0, sizeof(float) * (size_t)(ntok * D));
+    for (int64_t r = 0; r < NK; r++) {
+        const int32_t i = order[r];
+        lm_kernels_active()->axpy_f32(y + (i / K) * D, wts[i], oe + r * D, D);
+    }
+    return LM_OK;
+}
+
+int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
+              float softcap, float *logits) {
+    if (b == NULL || x == NULL || logits == NULL || n < 0 || n > b->n_batch || softcap < 0.0f)
+        return LM_EINVAL;
+    if (n == 0) return LM_OK;
+    const int64_t D = b->n_embd;
+    LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, x, norm, n, D, eps));
+    LM_TRY(lm_matmul(b->pool, out.type, out.data, b->n_vocab, D, b->xb, n, logits));
+    if (softcap > 0.0f) LM_TRY(lm_softcap_rows(logits, n * b->n_vocab, softcap));
+    return LM_OK;
+}
+
+/* ============================================================================ chunk driver */
+
+int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,
+               float *logits, int all_logits) {
+    if (b == NULL || cache == NULL || tokens == NULL || logits == NULL || ntok <= 0 || pos < 0 ||
+        pos > lm_cache_n_ctx(cache) - ntok)
+        return LM_EINVAL;
+    if (!lm_cache_matches(cache, b->n_layer, b->cache_layers)) return LM_EMISMATCH;
+    for (int64_t i = 0; i < ntok; i++)
+        if (tokens[i] < 0 || tokens[i] >= b->n_vocab) return LM_EINVAL;
+    const int64_t B = b->n_batch, V = b->n_vocab;
+    for (int64_t done = 0; done < ntok; done += B) {
+        const int64_t n = ntok - done < B ? ntok - done : B;
+        const int last = done + n == ntok;
+        float *out = all_logits ? logits + done * V : logits;
+        /* earlier chunks need no logits unless all are asked for */
+        const int64_t first = all_logits ? 0 : last ? n - 1 : n;
+        b->trace_row = done;
+        LM_TRY(b->forward_chunk(b, cache, tokens + done, n, pos + done, out, first));
+    }
+    return LM_OK;
+}
+
+#undef ROW_OP_MIN_ELEMS
+#undef ROPE_PAIRS_MAX

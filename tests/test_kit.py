@@ -1,0 +1,299 @@
+"""The family kit: caches, threaded row ops, metadata and RoPE helpers, each against an
+independent reference (numpy, and transformers' own RoPE initialisers where installed)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.kit import HParams, base_inv_freq, llama3_inv_freq, rope_from_gguf, yarn_inv_freq
+from lmserve_core.native import kernels as K
+
+ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+@pytest.fixture(params=ISAS, ids=lambda i: i.name)
+def isa(request: pytest.FixtureRequest) -> Any:
+    with K.use_isa(request.param):
+        yield request.param
+
+
+# ---------------------------------------------------------------------------- f16 storage
+
+
+def test_f16_rounding_matches_ieee_nearest_even(isa: Any, rng: np.random.Generator) -> None:
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[np.isfinite(x)]
+    edge = np.array(
+        [0.0, -0.0, 65504, 65519.99, 65520, -65520, 2**-24, 2**-25, 3 * 2**-26, 2**-14,
+         2**-14 - 2**-25, 1 + 2**-11, 1 + 3 * 2**-11, np.inf, -np.inf],
+        np.float32,
+    )
+    x = np.concatenate([edge, x, rng.standard_normal(10_000).astype(np.float32)])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    got = K.f32_to_f16(x)
+    assert (got.view(np.uint16) == want.view(np.uint16)).all()
+    assert np.isnan(K.f32_to_f16(np.array([np.nan], np.float32))).all()
+
+
+# ---------------------------------------------------------------------------- caches
+
+
+GEOMETRY = [(2, 16, 16), (1, 32, 32), (2, 16, 16)]
+
+
+def kv_rows(rng: np.random.Generator, layer: tuple[int, int, int], n: int) -> tuple[Any, Any]:
+    heads, dk, dv = layer
+    return (
+        rng.standard_normal((n, heads * dk)).astype(np.float32),
+        rng.standard_normal((n, heads * dv)).astype(np.float32),
+    )
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_cache_rows_round_trip(kv_type: str, rng: np.random.Generator) -> None:
+    cache = K.Cache(GEOMETRY, 64, kv_type)
+    assert cache.bytes_per_pos == sum(h * (dk + dv) for h, dk, dv in GEOMETRY) * (
+        2 if kv_type == "f16" else 4
+    )
+    rows = [kv_rows(rng, g, 10) for g in GEOMETRY]
+    for layer, (k, v) in enumerate(rows):
+        cache.write(layer, 5, k, v)
+    for layer, (k, v) in enumerate(rows):
+        got_k, got_v = cache.read(layer, 5, 10)
+        cast = (lambda a: a.astype(np.float16).astype(np.float32)) if kv_type == "f16" else (
+            lambda a: a
+        )
+        np.testing.assert_array_equal(got_k, cast(k))
+        np.testing.assert_array_equal(got_v, cast(v))
+    with pytest.raises(K.KernelValueError):
+        cache.write(0, 60, *kv_rows(rng, GEOMETRY[0], 5))  # past n_ctx
+    with pytest.raises(K.KernelValueError):
+        cache.read(3, 0, 1)
+
+
+def test_cache_copy_and_state_keep_exact_rows(rng: np.random.Generator) -> None:
+    src = K.Cache(GEOMETRY, 32, "f16")
+    for layer, g in enumerate(GEOMETRY):
+        src.write(layer, 0, *kv_rows(rng, g, 20))
+    dst = K.Cache(GEOMETRY, 24, "f16")
+    src.copy_to(dst, 12)
+    state = src.state(12)
+    assert state.nbytes == 12 * src.bytes_per_pos
+    np.testing.assert_array_equal(dst.state(12), state)
+    restored = K.Cache(GEOMETRY, 16, "f16")
+    restored.load(12, state)
+    for layer in range(len(GEOMETRY)):
+        for a, b in zip(restored.read(layer, 0, 12), src.read(layer, 0, 12), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(K.KernelMismatchError):
+        src.copy_to(K.Cache(GEOMETRY, 32, "f32"), 4)
+    with pytest.raises(K.KernelMismatchError):
+        src.copy_to(K.Cache(GEOMETRY[:2], 32, "f16"), 4)
+    with pytest.raises(K.KernelValueError):
+        src.copy_to(dst, 25)
+    with pytest.raises(K.KernelValueError):
+        restored.load(12, state[:-1])
+
+
+def test_cache_rejects_absurd_geometry() -> None:
+    with pytest.raises(K.KernelValueError):
+        K.Cache([(0, 16, 16)], 8)
+    with pytest.raises(K.KernelValueError):
+        K.Cache([(1, 16, 16)], 8, "q8_0")
+    with pytest.raises(K.KernelValueError):
+        K.Cache([(1 << 17, 16, 16)], 8)
+
+
+@pytest.mark.parametrize("ntok", [1, 3, 24])  # decode path, few tokens, tiled prefill path
+def test_attention_over_f16_cache_equals_f32_attention_on_rounded_rows(
+    ntok: int, isa: Any, rng: np.random.Generator
+) -> None:
+    n_ctx, heads, kv_heads, hd = 48, 4, 2, 32
+    pos0 = n_ctx - ntok
+    k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
+    q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
+    cache = K.Cache([(kv_heads, hd, hd)], n_ctx, "f16")
+    cache.write(0, 0, k, v)
+    rk, rv = (a.astype(np.float16).astype(np.float32).reshape(n_ctx, kv_heads, hd) for a in (k, v))
+    with K.Pool(2) as pool:
+        for window, softcap in [(0, 0.0), (7, 0.0), (0, 5.0)]:
+            want = K.attention(q, rk, rv, pos0, 0.2, window, softcap, pool)
+            got = cache.attention(0, q, pos0, 0.2, window, softcap, pool)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------- row ops
+
+
+def test_rmsnorm_rows_per_head(isa: Any, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((40, 8, 64)).astype(np.float32)  # (ntok, heads, head_dim)
+    w = rng.standard_normal(64).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * w
+    with K.Pool(2) as pool:
+        got = K.rmsnorm_rows(x, w, 1e-6, pool)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", [K.RopeMode.NORMAL, K.RopeMode.NEOX], ids=lambda m: m.name)
+def test_rope_rows_match_reference(mode: Any, rng: np.random.Generator) -> None:
+    ntok, heads, hd, n_rot, pos0 = 9, 3, 16, 12, 100
+    x = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
+    inv = (rng.uniform(0.01, 1.0, n_rot // 2)).astype(np.float32)
+    with K.Pool(2) as pool:
+        got = K.rope_rows(x, pos0, inv, mode, mscale=1.25, pool=pool)
+    theta = (np.arange(pos0, pos0 + ntok)[:, None] * inv[None, :].astype(np.float64))[:, None, :]
+    cos, sin = 1.25 * np.cos(theta), 1.25 * np.sin(theta)
+    want = x.astype(np.float64).copy()
+    if mode == K.RopeMode.NEOX:
+        a, b = x[..., : n_rot // 2], x[..., n_rot // 2 : n_rot]
+        want[..., : n_rot // 2] = a * cos - b * sin
+        want[..., n_rot // 2 : n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        want[..., 0:n_rot:2] = a * cos - b * sin
+        want[..., 1:n_rot:2] = a * sin + b * cos
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)  # float angles at pos ~100
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+
+
+@pytest.mark.parametrize("act", list(K.Activation), ids=lambda a: a.name)
+def test_glu_rows_match_single_thread_op(act: Any, rng: np.random.Generator) -> None:
+    gate, up = (rng.standard_normal(50_001).astype(np.float32) for _ in range(2))
+    single = K.silu_mul(gate, up) if act == K.Activation.SILU else K.gelu_mul(gate, up)
+    with K.Pool(2) as pool:
+        np.testing.assert_array_equal(K.glu_rows(gate, up, act, pool), single)
+
+
+@pytest.mark.parametrize("ntok", [1, 5, 40])
+def test_matmuls_equal_separate_products(ntok: int, rng: np.random.Generator) -> None:
+    from gguf.quants import quantize
+
+    shapes = [(96, 64), (40, 64), (200, 32)]
+    products = []
+    for rows, cols in shapes:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = quantize(w, K.QuantType.Q8_0)  # type: ignore[arg-type]
+        x = rng.standard_normal((ntok, cols)).astype(np.float32)
+        products.append((int(K.QuantType.Q8_0), raw, rows, cols, x))
+    with K.Pool(2) as pool:
+        together = K.matmuls(products, pool)
+        for (qtype, raw, rows, cols, x), got in zip(products, together, strict=True):
+            np.testing.assert_array_equal(got, K.matmul(qtype, raw, rows, cols, x, pool))
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def write_meta(path: Path, keys: dict[str, Any], arch: str = "testarch") -> GGUFFile:
+    writer = GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        full = f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(full, value)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+        elif isinstance(value, list):
+            writer.add_array(full, value)
+        else:
+            writer.add_uint32(full, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile.open(path)
+
+
+def test_hparams_read_and_reject(tmp_path: Path) -> None:
+    gguf = write_meta(
+        tmp_path / "m.gguf",
+        {"block_count": 4, "embedding_length": 64, "rope.freq_base": 5e5, "name": "x",
+         "head_count_kv": [2, 2, 1, 1], "huge": 1 << 30, "zero": 0},
+    )
+    hp = HParams(gguf)
+    assert hp.block_count() == 4 and hp.integer("embedding_length") == 64
+    assert hp.number("rope.freq_base") == 5e5 and hp.text("name") == "x"
+    assert hp.integer("missing", 7) == 7 and not hp.has("missing")
+    assert hp.per_layer("head_count_kv", 4) == [2, 2, 1, 1]
+    assert hp.per_layer("embedding_length", 3) == [64, 64, 64]
+    for call, message in [
+        (lambda: hp.integer("missing"), "testarch.missing is missing"),
+        (lambda: hp.integer("huge"), "outside"),
+        (lambda: hp.integer("zero"), "outside"),
+        (lambda: hp.integer("name"), "expected an integer"),
+        (lambda: hp.number("zero"), "finite number > 0"),
+        (lambda: hp.per_layer("head_count_kv", 5), "4 values for 5 layers"),
+    ]:
+        with pytest.raises(GGUFError, match=message):
+            call()
+
+
+# ---------------------------------------------------------------------------- rope
+
+
+def test_rope_from_gguf_schemes(tmp_path: Path) -> None:
+    plain = rope_from_gguf(HParams(write_meta(tmp_path / "a.gguf", {})), head_dim=64, mode=2)
+    assert plain.n_rot == 64 and plain.mscale == 1.0
+    np.testing.assert_allclose(plain.inv_freq, 10000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-6)
+    linear = rope_from_gguf(
+        HParams(write_meta(tmp_path / "b.gguf", {"rope.scaling.type": "linear",
+                                                  "rope.scaling.factor": 4.0})),
+        head_dim=64, mode=2,
+    )
+    np.testing.assert_allclose(linear.inv_freq, plain.inv_freq / 4, rtol=1e-6)
+    yarn = rope_from_gguf(
+        HParams(write_meta(tmp_path / "c.gguf", {
+            "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.freq_base": 1e6,
+            "rope.scaling.original_context_length": 32768})),
+        head_dim=128, mode=2,
+    )
+    assert yarn.mscale == pytest.approx(0.1 * math.log(4) + 1)
+    with pytest.raises(GGUFError, match="not supported"):
+        rope_from_gguf(
+            HParams(write_meta(tmp_path / "d.gguf", {"rope.scaling.type": "su",
+                                                      "rope.scaling.factor": 2.0})),
+            head_dim=64, mode=2,
+        )
+
+
+def test_rope_scalings_match_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def reference(rope_type: str, **params: Any) -> tuple[np.ndarray, float]:
+        config = transformers.PretrainedConfig()
+        config.hidden_size, config.num_attention_heads, config.head_dim = 1024, 8, 128
+        config.max_position_embeddings = 131072
+        config.rope_theta = 1e6
+        config.rope_parameters = {"rope_type": rope_type, "rope_theta": 1e6, **params}
+        inv, factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return inv.numpy(), float(factor)
+
+    inv, factor = reference(
+        "yarn", factor=4.0, original_max_position_embeddings=32768, beta_fast=32.0, beta_slow=1.0
+    )
+    ours, mscale = yarn_inv_freq(1e6, 128, 4.0, 32768)
+    np.testing.assert_allclose(ours, inv, rtol=1e-6)
+    assert mscale == pytest.approx(factor)
+    inv, _ = reference(
+        "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    np.testing.assert_allclose(llama3_inv_freq(1e6, 128, 8.0, 1.0, 4.0, 8192), inv, rtol=1e-6)
+    inv, _ = reference("linear", factor=2.0)
+    np.testing.assert_allclose(base_inv_freq(1e6, 128) / 2, inv, rtol=1e-6)
