@@ -234,7 +234,7 @@ class GGUFChatBackend:
         kwargs: dict[str, Any] = {}
         switch = self.conventions.thinking_switch
         if switch is not None:
-            kwargs[switch] = bool(request.reasoning) and request.constraint is None
+            kwargs[switch] = self._thinking(request)
         kwargs.update(request.template_kwargs)
         tools = tool_dicts(request.tools) or None
         return self.template.render(
@@ -243,6 +243,11 @@ class GGUFChatBackend:
             add_generation_prompt=True,
             **kwargs,
         )
+
+    @staticmethod
+    def _thinking(request: NormalizedRequest) -> bool:
+        # A grammar constrains the reply from its first token: no reasoning head then.
+        return bool(request.reasoning) and request.constraint is None and request.prompt is None
 
     def _take_prepared(self, request: NormalizedRequest) -> _Prepared:
         with self._prepared_lock:
@@ -350,7 +355,12 @@ class GGUFChatBackend:
         vocab = self.vocab_size
         stop_ids = self.stop_ids
         sampler = Sampler(
-            resolve(request.sampling, self.conventions.sampling, seed=self.settings.seed), vocab
+            resolve(
+                request.sampling,
+                self.conventions.sampling_for(self._thinking(request)),
+                seed=self.settings.seed,
+            ),
+            vocab,
         )
         decoder = self.tokenizer.stream_decoder(skip_special=True)
         emitter = _Emitter(

@@ -110,3 +110,11 @@ class FamilyConventions:
     # The template variable that switches the family's thinking on and off (templates
     # without it ignore it); set from the request's reasoning switch.
     thinking_switch: str | None = None
+    # Recommended sampling while the reasoning channel is on (None: ``sampling`` always).
+    thinking_sampling: SamplingDefaults | None = None
+
+    def sampling_for(self, reasoning: bool) -> SamplingDefaults:
+        """The sampling defaults of a request with the reasoning channel on or off."""
+        if reasoning and self.thinking_sampling is not None:
+            return self.thinking_sampling
+        return self.sampling

@@ -9,8 +9,8 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from conftest import API_KEY, RunningServer, launch
 from httpx_sse import connect_sse
+from processes import API_KEY, RunningServer, launch
 
 from lmserve_core.dialects.anthropic_encoder import message_body
 from lmserve_core.dialects.common import Collected

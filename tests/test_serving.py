@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import API_KEY
+from processes import API_KEY
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

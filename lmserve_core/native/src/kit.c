@@ -502,6 +502,138 @@ int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const flo
     return LM_OK;
 }
 
+/* ============================================================================ decoders */
+
+int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer, int64_t ntok,
+                     int64_t pos0) {
+    if (b == NULL || blk == NULL) return LM_EINVAL;
+    const int64_t D = b->n_embd, n = ntok * D;
+    const float eps = blk->norm_eps;
+    LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->attn_norm, ntok, D, eps));
+    LM_TRY(lm_self_attention(b, &blk->attn, cache, layer, b->xb, ntok, pos0, b->xb));
+    LM_TRY(lm_add_rows(b->x, b->xb, n));
+    LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->ffn_norm, ntok, D, eps));
+    if (blk->moe.n_expert > 0) {
+        LM_TRY(lm_moe_ffn(b, &blk->moe, layer, b->xb, ntok, b->xb));
+    } else {
+        LM_TRY(lm_glu_ffn(b, &blk->ffn, b->xb, ntok, b->xb));
+    }
+    return lm_add_rows(b->x, b->xb, n);
+}
+
+int lm_decoder_chunk(lm_base *b, const lm_decoder *d, lm_cache *cache, const int32_t *tokens,
+                     int64_t ntok, int64_t pos0, float *logits, int64_t first_logit) {
+    if (b == NULL || d == NULL || first_logit < 0 || first_logit > ntok) return LM_EINVAL;
+    LM_TRY(lm_embed(b, d->token_embd, tokens, ntok));
+    for (int l = 0; l < b->n_layer; l++) {
+        LM_TRY(lm_decoder_block(b, &d->blocks[l], cache, l, ntok, pos0));
+    }
+    return lm_logits(b, d->output_norm, d->norm_eps, d->output, b->x + first_logit * b->n_embd,
+                     ntok - first_logit, 0.0f, logits);
+}
+
+static int matrix_ok(lm_matrix m, int64_t cols) {
+    return m.data != NULL && lm_row_bytes(m.type, cols) > 0;
+}
+
+static int attn_ok(const lm_attn *a, int64_t D) {
+    const int64_t qd = (int64_t)a->n_head * a->head_dim;
+    if (a->n_head <= 0 || a->n_kv_head <= 0 || a->n_head % a->n_kv_head != 0 ||
+        a->head_dim <= 0 || !(a->norm_eps >= 0.0f) || a->window < 0 || !(a->softcap >= 0.0f))
+        return LM_EINVAL;
+    if (a->rope != NULL && (a->rope->n_rot > a->head_dim || a->rope->n_rot % 2 != 0))
+        return LM_EINVAL;
+    if (!matrix_ok(a->wq, D) || !matrix_ok(a->wk, D) || !matrix_ok(a->wv, D) ||
+        !matrix_ok(a->wo, qd))
+        return LM_ETYPE;
+    return LM_OK;
+}
+
+static int ffn_ok(const lm_block *blk, int64_t D) {
+    if (blk->moe.n_expert > 0) {
+        const lm_moe *m = &blk->moe;
+        if (m->n_used <= 0 || m->n_used > m->n_expert || m->n_ff <= 0) return LM_EINVAL;
+        if (!matrix_ok(m->router, D) || !matrix_ok(m->gate_exps, D) ||
+            !matrix_ok(m->up_exps, D) || !matrix_ok(m->down_exps, m->n_ff))
+            return LM_ETYPE;
+        return LM_OK;
+    }
+    const lm_ffn *f = &blk->ffn;
+    if (f->n_ff <= 0) return LM_EINVAL;
+    if (!matrix_ok(f->gate, D) || !matrix_ok(f->up, D) || !matrix_ok(f->down, f->n_ff))
+        return LM_ETYPE;
+    return LM_OK;
+}
+
+int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
+    if (b == NULL || d == NULL || d->blocks == NULL || d->output_norm == NULL) return LM_EINVAL;
+    const int64_t D = b->n_embd;
+    if (!matrix_ok(d->token_embd, D) || !matrix_ok(d->output, D)) return LM_ETYPE;
+    for (int l = 0; l < b->n_layer; l++) {
+        const lm_block *blk = &d->blocks[l];
+        if (blk->attn_norm == NULL || blk->ffn_norm == NULL || !(blk->norm_eps >= 0.0f))
+            return LM_EINVAL;
+        LM_TRY(attn_ok(&blk->attn, D));
+        LM_TRY(ffn_ok(blk, D));
+    }
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------------------- whole models */
+
+static void decoder_model_free(void *self) {
+    lm_decoder_model *m = self;
+    lm_base_free(&m->base);
+    free(m->blocks);
+    free(m->geometry);
+    free(m);
+}
+
+static int decoder_model_chunk(void *self, lm_cache *cache, const int32_t *tokens, int64_t ntok,
+                               int64_t pos0, float *logits, int64_t first_logit) {
+    lm_decoder_model *m = self;
+    return lm_decoder_chunk(&m->base, &m->dec, cache, tokens, ntok, pos0, logits, first_logit);
+}
+
+int lm_decoder_new(int n_layer, lm_decoder_model **out) {
+    if (out == NULL || n_layer <= 0 || n_layer > 4096) return LM_EINVAL;
+    *out = NULL;
+    lm_decoder_model *m = calloc(1, sizeof *m);
+    if (m == NULL) return LM_ENOMEM;
+    m->n_layer = n_layer;
+    m->blocks = calloc((size_t)n_layer, sizeof *m->blocks);
+    m->geometry = calloc((size_t)n_layer, sizeof *m->geometry);
+    if (m->blocks == NULL || m->geometry == NULL) {
+        decoder_model_free(m);
+        return LM_ENOMEM;
+    }
+    m->dec.blocks = m->blocks;
+    *out = m;
+    return LM_OK;
+}
+
+int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64_t n_vocab,
+                      int64_t n_embd, lm_base **out) {
+    if (m == NULL) return LM_EINVAL;
+    int status = out != NULL ? LM_OK : LM_EINVAL;
+    for (int l = 0; status == LM_OK && l < m->n_layer; l++) {
+        const lm_attn *a = &m->blocks[l].attn;
+        m->geometry[l] = (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim};
+    }
+    m->dec.blocks = m->blocks;
+    if (status == LM_OK) {
+        status = lm_base_init(&m->base, n_threads, n_batch, n_vocab, n_embd, m->n_layer,
+                              m->geometry, decoder_model_chunk, decoder_model_free);
+    }
+    if (status == LM_OK) status = lm_decoder_check(&m->base, &m->dec);
+    if (status != LM_OK) {
+        decoder_model_free(m);
+        return status;
+    }
+    *out = &m->base;
+    return LM_OK;
+}
+
 /* ============================================================================ chunk driver */
 
 int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,

@@ -47,8 +47,9 @@ typedef struct llama_weights {
     lm_rotary rope;            /* NORMAL pairs: the converter permuted q and k for them */
 } llama_weights;
 
-/* Borrows config-independent pointers (the layer array, the mapped weights, the rope
- * frequencies must outlive the model); *out is the model's lm_base, freed by lm_model_free. */
+/* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
+ * the layer array is read during the call); *out is the model's lm_base, freed by
+ * lm_model_free. */
 int llama_build(const llama_config *config, const llama_weights *weights, int n_threads,
                 int64_t n_batch, lm_base **out);
 

@@ -67,7 +67,20 @@
     X(int, lm_logits,                                                                              \
       (lm_base * b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,      \
        float softcap, float *logits),                                                              \
-      (b, norm, eps, out, x, n, softcap, logits))
+      (b, norm, eps, out, x, n, softcap, logits))                                                 \
+    X(int, lm_decoder_block,                                                                       \
+      (lm_base * b, const lm_block *blk, lm_cache *cache, int layer, int64_t ntok, int64_t pos0), \
+      (b, blk, cache, layer, ntok, pos0))                                                          \
+    X(int, lm_decoder_chunk,                                                                       \
+      (lm_base * b, const lm_decoder *d, lm_cache *cache, const int32_t *tokens, int64_t ntok,    \
+       int64_t pos0, float *logits, int64_t first_logit),                                          \
+      (b, d, cache, tokens, ntok, pos0, logits, first_logit))                                      \
+    X(int, lm_decoder_check, (const lm_base *b, const lm_decoder *d), (b, d))                    \
+    X(int, lm_decoder_new, (int n_layer, lm_decoder_model **out), (n_layer, out))                \
+    X(int, lm_decoder_finish,                                                                      \
+      (lm_decoder_model * m, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd,     \
+       lm_base **out),                                                                             \
+      (m, n_threads, n_batch, n_vocab, n_embd, out))
 
 #define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
 

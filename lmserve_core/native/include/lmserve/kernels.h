@@ -165,6 +165,22 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
 /* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none). */
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits);
+/* One pre-norm block over b->x (b->xb is its scratch). */
+int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer, int64_t ntok,
+                     int64_t pos0);
+/* A whole chunk of a pre-norm decoder: a family's forward_chunk can be this one call. */
+int lm_decoder_chunk(lm_base *b, const lm_decoder *d, lm_cache *cache, const int32_t *tokens,
+                     int64_t ntok, int64_t pos0, float *logits, int64_t first_logit);
+/* LM_OK when every matrix of the decoder has a type the kernels decode and every pointer is
+ * set, for the base's sizes; LM_ETYPE / LM_EINVAL otherwise (run it before lm_base_init's
+ * model serves a call). */
+int lm_decoder_check(const lm_base *b, const lm_decoder *d);
+/* A decoder model whose n_layer blocks the family fills next (zeroed). */
+int lm_decoder_new(int n_layer, lm_decoder_model **out);
+/* Derive the cache geometry from the blocks, start the base and check every weight; *out is
+ * the model's lm_base, freed by lm_model_free. On failure the model is freed. */
+int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64_t n_vocab,
+                      int64_t n_embd, lm_base **out);
 /* The chunk driver: tokens[0..ntok) at positions pos.., in chunks of n_batch; logits of the
  * last token, or (ntok, n_vocab) with all_logits. Checks ids, positions and cache geometry. */
 int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,

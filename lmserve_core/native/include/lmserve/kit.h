@@ -7,11 +7,15 @@
  * translation unit defines LM_KIT_MAIN before including it (lmserve_core.native's
  * family_ffibuilder does), which defines the table pointer and lm_kit_bind.
  *
- * What a family writes: its config and weight structs, a build function that fills an
- * lm_base (lm_base_init) and validates its weights, and its forward_chunk, made of the layer
- * helpers (lm_embed, lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the threaded
- * row ops. Sizes are int64_t element counts; every function returns LM_OK or a negative
- * status; nothing exits or prints.
+ * What a family writes: its config and weight structs (llama2.c style, a shape comment on
+ * every pointer) and a build function that maps them onto the kit:
+ *   - a pre-norm decoder (llama, qwen3, ...) fills the blocks of an lm_decoder_model between
+ *     lm_decoder_new and lm_decoder_finish and runs on the kit's own chunk loop;
+ *   - anything else fills an lm_base (lm_base_init) with its own forward_chunk, made of the
+ *     layer helpers (lm_embed, lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the
+ *     threaded row ops.
+ * Sizes are int64_t element counts; every function returns LM_OK or a negative status;
+ * nothing exits or prints.
  */
 #ifndef LMSERVE_KIT_H
 #define LMSERVE_KIT_H

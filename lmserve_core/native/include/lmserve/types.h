@@ -139,6 +139,26 @@ typedef struct lm_moe {
     int act;                /* enum lm_act */
 } lm_moe;
 
+/* A pre-norm decoder block:  x += attn(rmsnorm(x) * attn_norm)
+ *                            x += ffn(rmsnorm(x) * ffn_norm)   (or the experts) */
+typedef struct lm_block {
+    float norm_eps;           /* of attn_norm and ffn_norm */
+    const float *attn_norm;   /* (n_embd) */
+    lm_attn attn;
+    const float *ffn_norm;    /* (n_embd) */
+    lm_ffn ffn;               /* used when moe.n_expert == 0 */
+    lm_moe moe;               /* n_expert > 0: a mixture of experts instead of ffn */
+} lm_block;
+
+/* A decoder-only transformer of pre-norm blocks: embedding, blocks, final norm, output. */
+typedef struct lm_decoder {
+    lm_matrix token_embd;     /* (n_vocab, n_embd) */
+    const lm_block *blocks;   /* (n_layer) */
+    const float *output_norm; /* (n_embd) */
+    lm_matrix output;         /* (n_vocab, n_embd); token_embd when tied */
+    float norm_eps;           /* of the block and output norms */
+} lm_decoder;
+
 /* The forward pass of one chunk of at most n_batch tokens at positions pos0..: writes their
  * cache rows, and logits (n_vocab floats per row) for rows [first_logit, ntok). */
 typedef int (*lm_chunk_fn)(void *model, lm_cache *cache, const int32_t *tokens, int64_t ntok,
@@ -171,6 +191,17 @@ typedef struct lm_base {
     lm_trace *trace;        /* NULL unless routing is being recorded */
     int64_t trace_row;      /* first trace row of the chunk being run */
 } lm_base;
+
+/* A pre-norm decoder model the kit runs whole: a family fills the blocks (and the rope
+ * they point to) between lm_decoder_new and lm_decoder_finish. */
+typedef struct lm_decoder_model {
+    lm_base base;             /* first: the kit drives the model through it */
+    lm_decoder dec;           /* dec.blocks == blocks */
+    lm_rotary rope;           /* a place for the blocks' attn.rope to point to */
+    lm_block *blocks;         /* (n_layer) */
+    lm_cache_layer *geometry; /* (n_layer) derived from the blocks by lm_decoder_finish */
+    int n_layer;
+} lm_decoder_model;
 
 /* cdef-end */
 

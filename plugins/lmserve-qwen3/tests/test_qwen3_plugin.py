@@ -1,0 +1,151 @@
+"""The Qwen3 plugin: registration, conventions, the chat backend and a real ``lmserve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lmserve_qwen3 import plugin
+
+from lmserve_core.backend import ServerSettings
+from lmserve_core.plugins import backend_for_architecture, backends
+from lmserve_core.request import Message, NormalizedRequest
+
+
+def registrations() -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+
+    def register(name: str, factory: Any, **kwargs: Any) -> None:
+        calls.append({"name": name, "factory": factory, **kwargs})
+
+    plugin.register_backends(register)
+    return calls
+
+
+def test_registers_both_architectures() -> None:
+    specs = {spec["name"]: spec for spec in registrations()}
+    assert set(specs) == {"qwen3", "qwen3moe"}
+    assert specs["qwen3"]["architectures"] == ("qwen3",)
+    assert specs["qwen3moe"]["architectures"] == ("qwen3moe",)
+    assert all(spec["factory"] is plugin.create_backend for spec in specs.values())
+
+
+def test_installed_plugin_is_found_by_architecture() -> None:
+    points = {ep.name: ep.value for ep in metadata.entry_points(group="lmserve")}
+    if "qwen3" not in points:
+        pytest.skip("lmserve-qwen3 is not installed")
+    assert points["qwen3"] == "lmserve_qwen3.plugin"
+    assert backends()["qwen3"].plugin == "qwen3"
+    for arch in ("qwen3", "qwen3moe"):
+        spec = backend_for_architecture(arch)
+        assert spec is not None and spec.plugin == "qwen3"
+
+
+def test_conventions_follow_the_model_card() -> None:
+    c = plugin.CONVENTIONS
+    plain, thinking = c.sampling_for(False), c.sampling_for(True)
+    assert (plain.temperature, plain.top_k, plain.top_p, plain.min_p) == (0.7, 20, 0.8, 0.0)
+    assert (thinking.temperature, thinking.top_k, thinking.top_p, thinking.min_p) == (
+        0.6, 20, 0.95, 0.0,
+    )
+    assert c.think is not None and (c.think.open, c.think.close) == ("<think>", "</think>")
+    assert set(c.extra_stop_tokens) == {"<|im_end|>", "<|endoftext|>"}
+    assert c.thinking_switch == "enable_thinking"
+    assert c.capabilities.grammar and c.capabilities.reasoning
+
+
+def chat(text: str, *, reasoning: bool = False) -> NormalizedRequest:
+    return NormalizedRequest(
+        id="t", dialect="chat", messages=[Message(role="user", content=text)], max_tokens=4,
+        reasoning=reasoning,
+    )
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3moe"])
+def test_backend_renders_qwen3_template_and_stops_on_its_tokens(
+    kind: str, synthetic: Any
+) -> None:
+    path, _ = synthetic(kind=kind, type="q8_0")
+    backend = plugin.create_backend(str(path), ServerSettings(ctx=256, threads=1))
+    try:
+        assert backend.name == kind
+        tok = backend.tokenizer
+        stop_texts = {tok.token_text(i) for i in backend.stop_ids}
+        assert {"<|im_end|>", "<|endoftext|>"} <= stop_texts
+        plain = tok.decode(backend._prompt_tokens(chat("Hi"))[0])
+        assert plain.startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        # Qwen3's template primes an empty think block when thinking is switched off
+        assert plain.endswith("<think>\n\n</think>\n\n")
+        thinking = tok.decode(backend._prompt_tokens(chat("Hi", reasoning=True))[0])
+        assert thinking.endswith("<|im_start|>assistant\n")
+        assert backend.model.kv_bytes_per_pos == 2 * 2 * 2 * 2 * 64  # f16, 2 layers, 2 kv heads
+    finally:
+        backend.close()
+
+
+# ---------------------------------------------------------------------------- real server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(synthetic: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path, _ = synthetic(kind="qwen3moe", type="q4_k_m")
+    port = free_port()
+    log = tmp_path_factory.mktemp("qwen3-server") / "lmserve.log"
+    cmd = [sys.executable, "-m", "lmserve_core", "--backend", "qwen3", str(path),
+           "--port", str(port), "--ctx", "512", "--threads", "2"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"lmserve exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        process.kill()
+        pytest.fail(f"lmserve did not become healthy:\n{log.read_text()}")
+    yield base, log
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+
+
+def test_lmserve_serves_a_qwen3moe_file_to_the_openai_sdk(server: Any) -> None:
+    openai = pytest.importorskip("openai")
+    base, log = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, seed=1,
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+    assert reply.usage.prompt_tokens > 5
+    # the start-up log says what a position of the cache costs
+    lines = [json.loads(line) for line in Path(log).read_text().splitlines() if line.startswith("{")]
+    kv = next(line for line in lines if line.get("event") == "kv_cache")
+    assert kv["bytes_per_position"] == 2 * 2 * 2 * 2 * 64 and kv["kv_type"] == "f16"
+    stream = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Count"}], max_tokens=6, stream=True,
+    )
+    finishes = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert finishes[-1] in ("stop", "length")
