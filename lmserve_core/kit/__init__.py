@@ -12,6 +12,7 @@ A family is then its ``forward_chunk`` and weight table in C, plus its conventio
 
 from lmserve_core.native.kernels import MATRIX_TYPES, Activation, QuantType, RopeMode
 
+from .config import DecoderConfig, decoder_hparams
 from .forward import DEFAULT_BATCH, NativeCache, NativeForwardModel, Routing
 from .hparams import MISSING, HParams
 from .rope import Rope, base_inv_freq, llama3_inv_freq, rope_from_gguf, yarn_inv_freq
@@ -21,6 +22,7 @@ __all__ = [
     "MATRIX_TYPES",
     "MISSING",
     "Activation",
+    "DecoderConfig",
     "HParams",
     "NativeCache",
     "NativeForwardModel",
@@ -29,6 +31,7 @@ __all__ = [
     "RopeMode",
     "Routing",
     "base_inv_freq",
+    "decoder_hparams",
     "llama3_inv_freq",
     "rope_from_gguf",
     "yarn_inv_freq",

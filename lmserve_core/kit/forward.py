@@ -1,8 +1,9 @@
 """NativeForwardModel: the Python half of a family whose forward pass is C over the kit.
 
-A family subclasses it, fills its C weight table from the GGUF with :meth:`matrix` and
-:meth:`floats` (each tensor checked for type and shape before a pointer reaches C), and hands
-its config and table to its C build function with :meth:`build`. Everything else a
+A family subclasses it with its cffi module (``ffi``, ``lib``) and config class, and writes
+:meth:`~NativeForwardModel.setup`: fill the C weight table from the GGUF with :meth:`matrix`
+and :meth:`floats` (each tensor checked for type and shape before a pointer reaches C), then
+hand config and table to the C build function with :meth:`build`. Everything else a
 ``ForwardModel`` does — caches, the forward pass, prefix copies, routing traces, status codes
 turned into exceptions — happens here, over the core's compiled kernels.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +21,8 @@ import numpy.typing as npt
 from lmserve_core.gguf_file import GGUFError, GGUFFile, TensorInfo
 from lmserve_core.model import AttentionCache
 from lmserve_core.native import kernels
+
+from .rope import Rope
 
 __all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "Routing"]
 
@@ -64,19 +67,29 @@ class Routing:
 class NativeForwardModel:
     """Base of a family's forward pass written in C over the kit (``lmserve/kit.h``).
 
-    ``ffi`` and ``lib`` are the family's cffi module (built by
-    ``lmserve_core.native.family_ffibuilder``). Subclasses call :meth:`matrix`, :meth:`floats`
-    and :meth:`build`; see ``docs/plugins.md``.
+    Subclasses set ``ffi`` and ``lib`` (their cffi module, built by
+    ``lmserve_core.native.family_ffibuilder``) and ``config_type`` (a class with
+    ``from_gguf(gguf)``, ``n_vocab`` and ``n_ctx_train``), and implement :meth:`setup`; see
+    ``docs/plugins.md``.
     """
+
+    ffi: ClassVar[Any]
+    lib: ClassVar[Any]
+    config_type: ClassVar[Any]
+
+    def __init_subclass__(cls, *, native: Any = None, config: Any = None, **kwargs: Any) -> None:
+        # class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config)
+        super().__init_subclass__(**kwargs)
+        if native is not None:
+            cls.ffi, cls.lib = native.ffi, native.lib
+        if config is not None:
+            cls.config_type = config
 
     def __init__(
         self,
         gguf: GGUFFile,
+        config: Any,
         *,
-        ffi: Any,
-        lib: Any,
-        n_vocab: int,
-        n_ctx_train: int,
         n_threads: int = 0,
         n_batch: int = DEFAULT_BATCH,
         kv_type: str = "f16",
@@ -85,12 +98,11 @@ class NativeForwardModel:
             raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")
         if kv_type not in kernels.CACHE_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(kernels.CACHE_TYPES)}")
-        _bind(ffi, lib)
+        _bind(self.ffi, self.lib)
         self.gguf = gguf  # owns the mapping every weight pointer points into
-        self.ffi = ffi
-        self.lib = lib
-        self.n_vocab = int(n_vocab)
-        self.n_ctx_train = int(n_ctx_train)
+        self.config = config
+        self.n_vocab = int(config.n_vocab)
+        self.n_ctx_train = int(config.n_ctx_train)
         self.n_threads = n_threads
         self.n_batch = n_batch
         self.kv_type = kv_type
@@ -101,6 +113,31 @@ class NativeForwardModel:
         self._used: set[str] = set()
         self._base: Any = None
         self._lock = threading.Lock()  # the model's scratch serves one call at a time
+        self.setup()
+        if self._base is None:
+            raise RuntimeError(f"{type(self).__name__}.setup did not build the native model")
+
+    @classmethod
+    def load(
+        cls,
+        gguf: GGUFFile,
+        *,
+        n_threads: int = 0,
+        n_batch: int = DEFAULT_BATCH,
+        kv_type: str = "f16",
+    ) -> Any:
+        """Read the config from the GGUF and build the model; ``n_threads`` 0: every core."""
+        return cls(
+            gguf,
+            cls.config_type.from_gguf(gguf),
+            n_threads=n_threads,
+            n_batch=n_batch,
+            kv_type=kv_type,
+        )
+
+    def setup(self) -> None:
+        """Fill the weight table from ``self.gguf`` and call :meth:`build` (the family's)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ weight table
 
@@ -130,6 +167,19 @@ class NativeForwardModel:
     def optional_floats(self, name: str, shape: tuple[int, ...]) -> Any:
         """:meth:`floats`, or NULL when the file has no such tensor."""
         return self.floats(name, shape) if name in self.gguf.tensors else self.ffi.NULL
+
+    def rotary(self, field: Any, rope: Rope) -> None:
+        """Fill an ``lm_rotary`` field from :class:`~lmserve_core.kit.rope.Rope`."""
+        field.mode = rope.mode
+        field.n_rot = rope.n_rot
+        field.inv_freq = self.keep(self.ffi.from_buffer("float[]", rope.inv_freq))
+        field.mscale = rope.mscale
+
+    def dims(self, field: Any) -> None:
+        """Fill an ``lm_dims`` field from the config (a :class:`DecoderConfig`)."""
+        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_ff", "n_vocab",
+                     "rms_eps"):
+            setattr(field, name, getattr(self.config, name))
 
     def keep(self, obj: Any) -> Any:
         """Keep ``obj`` (a cffi buffer or array whose pointer C holds) alive with the model."""

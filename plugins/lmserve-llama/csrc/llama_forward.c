@@ -9,9 +9,9 @@
 
 #include <math.h>
 
-int llama_build(const llama_config *config, const llama_weights *weights, int n_threads,
+int llama_build(const lm_dims *dims, const llama_weights *weights, int n_threads,
                 int64_t n_batch, lm_base **out) {
-    const llama_config *c = config;
+    const lm_dims *c = dims;
     if (c == NULL || weights == NULL || weights->layers == NULL || out == NULL) return LM_EINVAL;
     lm_decoder_model *m;
     LM_TRY(lm_decoder_new(c->n_layer, &m));

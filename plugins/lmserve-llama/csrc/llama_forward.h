@@ -16,17 +16,6 @@
 
 /* cdef-begin */
 
-typedef struct llama_config {
-    int n_layer;
-    int n_embd;      /* model width */
-    int n_ff;        /* feed-forward width */
-    int n_head;
-    int n_kv_head;
-    int head_dim;
-    int n_vocab;
-    float rms_eps;
-} llama_config;
-
 typedef struct llama_layer {
     const float *attn_norm;   /* (n_embd) */
     lm_matrix wq;             /* (n_head * head_dim, n_embd) */
@@ -50,7 +39,7 @@ typedef struct llama_weights {
 /* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
  * the layer array is read during the call); *out is the model's lm_base, freed by
  * lm_model_free. */
-int llama_build(const llama_config *config, const llama_weights *weights, int n_threads,
+int llama_build(const lm_dims *dims, const llama_weights *weights, int n_threads,
                 int64_t n_batch, lm_base **out);
 
 /* cdef-end */

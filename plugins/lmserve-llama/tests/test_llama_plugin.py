@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from lmserve_llama.model import LlamaModel
 
 from lmserve_core.backend import ServerSettings
 from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.testing.hooks import registrations
 
 
 @pytest.fixture(scope="module")
@@ -23,18 +23,8 @@ def smollm2() -> str:
     return path
 
 
-def registrations() -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = []
-
-    def register(name: str, factory: Any, **kwargs: Any) -> None:
-        calls.append({"name": name, "factory": factory, **kwargs})
-
-    plugin.register_backends(register)
-    return calls
-
-
 def test_registers_the_llama_backend() -> None:
-    (spec,) = registrations()
+    (spec,) = registrations(plugin)
     assert spec["name"] == "llama"
     assert set(spec["architectures"]) == {"llama", "mistral"}
     assert spec["description"]

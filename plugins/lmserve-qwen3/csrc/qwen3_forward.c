@@ -16,7 +16,7 @@
 /* The feed-forward half of a layer: dense, or a router over experts. */
 static void qwen3_mlp(lm_block *b, const qwen3_config *c, const qwen3_layer *L) {
     if (c->n_expert == 0) {
-        b->ffn = (lm_ffn){L->ffn_gate, L->ffn_up, L->ffn_down, L->n_ff, LM_ACT_SILU};
+        b->ffn = (lm_ffn){L->ffn_gate, L->ffn_up, L->ffn_down, c->dims.n_ff, LM_ACT_SILU};
         return;
     }
     b->moe = (lm_moe){
@@ -26,7 +26,7 @@ static void qwen3_mlp(lm_block *b, const qwen3_config *c, const qwen3_layer *L) 
         .down_exps = L->ffn_down_exps,
         .n_expert = c->n_expert,
         .n_used = c->n_expert_used,
-        .n_ff = L->n_ff,
+        .n_ff = c->dims.n_ff,
         .gating = LM_GATING_SOFTMAX,
         .norm_weights = 1,
         .weights_scale = c->expert_weights_scale,
@@ -40,19 +40,20 @@ int qwen3_build(const qwen3_config *config, const qwen3_weights *weights, int n_
     if (c == NULL || weights == NULL || weights->layers == NULL || out == NULL ||
         c->n_expert < 0 || (c->n_expert > 0 && c->n_expert_used <= 0))
         return LM_EINVAL;
+    const lm_dims *d = &c->dims;
     lm_decoder_model *m;
-    LM_TRY(lm_decoder_new(c->n_layer, &m));
+    LM_TRY(lm_decoder_new(d->n_layer, &m));
     m->rope = weights->rope;
-    const float scale = 1.0f / sqrtf((float)c->head_dim);
-    for (int l = 0; l < c->n_layer; l++) {
+    const float scale = 1.0f / sqrtf((float)d->head_dim);
+    for (int l = 0; l < d->n_layer; l++) {
         const qwen3_layer *L = &weights->layers[l];
         lm_block *b = &m->blocks[l];
-        b->norm_eps = c->rms_eps;
+        b->norm_eps = d->rms_eps;
         b->attn_norm = L->attn_norm;
         b->attn = (lm_attn){
             .wq = L->wq, .wk = L->wk, .wv = L->wv, .wo = L->wo,
-            .q_norm = L->q_norm, .k_norm = L->k_norm, .norm_eps = c->rms_eps,
-            .n_head = c->n_head, .n_kv_head = c->n_kv_head, .head_dim = c->head_dim,
+            .q_norm = L->q_norm, .k_norm = L->k_norm, .norm_eps = d->rms_eps,
+            .n_head = d->n_head, .n_kv_head = d->n_kv_head, .head_dim = d->head_dim,
             .scale = scale, .rope = &m->rope,
         };
         b->ffn_norm = L->ffn_norm;
@@ -61,6 +62,6 @@ int qwen3_build(const qwen3_config *config, const qwen3_weights *weights, int n_
     m->dec.token_embd = weights->token_embd;
     m->dec.output_norm = weights->output_norm;
     m->dec.output = weights->output;
-    m->dec.norm_eps = c->rms_eps;
-    return lm_decoder_finish(m, n_threads, n_batch, c->n_vocab, c->n_embd, out);
+    m->dec.norm_eps = d->rms_eps;
+    return lm_decoder_finish(m, n_threads, n_batch, d->n_vocab, d->n_embd, out);
 }

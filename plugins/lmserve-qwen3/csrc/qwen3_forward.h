@@ -17,13 +17,8 @@
 /* cdef-begin */
 
 typedef struct qwen3_config {
-    int n_layer;
-    int n_embd;         /* model width */
-    int n_head;
-    int n_kv_head;
-    int head_dim;       /* attention.key_length: not n_embd / n_head in Qwen3 */
-    int n_vocab;
-    float rms_eps;      /* of every norm, the per-head q/k norms included */
+    lm_dims dims;       /* head_dim is attention.key_length, not n_embd / n_head; n_ff is
+                           one expert's width in qwen3moe */
     int n_expert;       /* qwen3moe: experts per layer; 0 for qwen3 */
     int n_expert_used;  /* experts each token goes through (top-k) */
     float expert_weights_scale; /* multiplies the renormalised expert weights */
@@ -38,7 +33,6 @@ typedef struct qwen3_layer {
     const float *q_norm;     /* (head_dim) RMS norm of every query head, before RoPE */
     const float *k_norm;     /* (head_dim) RMS norm of every key head, before RoPE */
     const float *ffn_norm;   /* (n_embd) */
-    int64_t n_ff;            /* the dense FFN's width, or one expert's */
     /* qwen3: a SiLU-gated MLP */
     lm_matrix ffn_gate;      /* (n_ff, n_embd) */
     lm_matrix ffn_up;        /* (n_ff, n_embd) */

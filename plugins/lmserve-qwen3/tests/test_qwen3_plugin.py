@@ -20,20 +20,11 @@ from lmserve_qwen3 import plugin
 from lmserve_core.backend import ServerSettings
 from lmserve_core.plugins import backend_for_architecture, backends
 from lmserve_core.request import Message, NormalizedRequest
-
-
-def registrations() -> list[dict[str, Any]]:
-    calls: list[dict[str, Any]] = []
-
-    def register(name: str, factory: Any, **kwargs: Any) -> None:
-        calls.append({"name": name, "factory": factory, **kwargs})
-
-    plugin.register_backends(register)
-    return calls
+from lmserve_core.testing.hooks import registrations
 
 
 def test_registers_both_architectures() -> None:
-    specs = {spec["name"]: spec for spec in registrations()}
+    specs = {spec["name"]: spec for spec in registrations(plugin)}
     assert set(specs) == {"qwen3", "qwen3moe"}
     assert specs["qwen3"]["architectures"] == ("qwen3",)
     assert specs["qwen3moe"]["architectures"] == ("qwen3moe",)

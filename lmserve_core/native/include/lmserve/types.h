@@ -86,6 +86,18 @@ typedef struct lm_rotary {
     float mscale;
 } lm_rotary;
 
+/* The sizes every decoder-only family has (lmserve_core.kit.DecoderConfig). */
+typedef struct lm_dims {
+    int n_layer;
+    int n_embd;     /* model width */
+    int n_head;
+    int n_kv_head;
+    int head_dim;
+    int n_ff;       /* feed-forward width (one expert's in a mixture) */
+    int n_vocab;
+    float rms_eps;  /* of the block norms */
+} lm_dims;
+
 /* One layer's KV cache geometry. */
 typedef struct lm_cache_layer {
     int n_kv_head;
