@@ -489,10 +489,10 @@ def test_pool_shared_by_concurrent_callers(rng) -> None:
 # ------------------------------------------------------------------ build helpers
 def test_compile_args_switches() -> None:
     default = native.compile_args({})
-    assert "-O2" in default and "-O0" not in default and "-DLM_NO_SIMD" not in default
+    assert "-O3" in default and "-O0" not in default and "-DLM_NO_SIMD" not in default
     assert "-ffp-contract=off" in default
     debug = native.compile_args({"LMSERVE_NATIVE_DEBUG": "1"})
-    assert "-O0" in debug and "-g" in debug and "-O2" not in debug
+    assert "-O0" in debug and "-g" in debug and "-O3" not in debug
     assert native.compile_args({"LMSERVE_NATIVE_DEBUG": "0"}) == default
     assert "-DLM_NO_SIMD" in native.compile_args({"LMSERVE_NATIVE_PORTABLE": "yes"})
 

@@ -60,18 +60,29 @@ T256 static inline __m256i y_bits_to_16(uint32_t bits) {
 /* ------------------------------------------------------------------ 32-element groups
  * y_dec_<type>(b, g, s, w, fused) decodes group g into w[0..3]; s holds the block's scales
  * from lm_scales_<type>. */
+/* Scale-only encodings (Q4_0, Q5_0, Q8_0): y_raw_<type> gives the block's integers as
+ * floats; the decoded weights are those times the block scale. */
+T256 static inline void y_raw_q4_0(const block_q4_0 *b, __m256 w[4]) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(8);
+    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    y_i8x16_ps(_mm_sub_epi8(_mm_and_si128(q, m4), off), w);
+    y_i8x16_ps(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), off), w + 2);
+}
+
+T256 static inline void y_scale4(__m256 w[4], float s) {
+    const __m256 d = _mm256_set1_ps(s);
+    w[0] = _mm256_mul_ps(w[0], d);
+    w[1] = _mm256_mul_ps(w[1], d);
+    w[2] = _mm256_mul_ps(w[2], d);
+    w[3] = _mm256_mul_ps(w[3], d);
+}
+
 T256 static inline void y_dec_q4_0(const block_q4_0 *b, int g, const float *s, __m256 w[4],
                                    int fused) {
     (void)g;
     (void)fused;
-    const __m128i m4 = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(8);
-    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
-    const __m256 d = _mm256_set1_ps(s[0]);
-    y_i8x16_ps(_mm_sub_epi8(_mm_and_si128(q, m4), off), w);
-    y_i8x16_ps(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), off), w + 2);
-    for (int i = 0; i < 4; i++) {
-        w[i] = _mm256_mul_ps(w[i], d);
-    }
+    y_raw_q4_0(b, w);
+    y_scale4(w, s[0]);
 }
 
 T256 static inline void y_dec_q4_1(const block_q4_1 *b, int g, const float *s, __m256 w[4],
@@ -99,17 +110,18 @@ T256 static inline __m256i y_q5_bytes(const uint8_t *qs, const uint8_t *qhp) {
     return _mm256_or_si256(nib, y_bits_to_16(qh));
 }
 
+T256 static inline void y_raw_q5_0(const block_q5_0 *b, __m256 w[4]) {
+    const __m256i q = _mm256_sub_epi8(y_q5_bytes(b->qs, b->qh), _mm256_set1_epi8(16));
+    y_i8x16_ps(y_lo128(q), w);
+    y_i8x16_ps(y_hi128(q), w + 2);
+}
+
 T256 static inline void y_dec_q5_0(const block_q5_0 *b, int g, const float *s, __m256 w[4],
                                    int fused) {
     (void)g;
     (void)fused;
-    const __m256i q = _mm256_sub_epi8(y_q5_bytes(b->qs, b->qh), _mm256_set1_epi8(16));
-    const __m256 d = _mm256_set1_ps(s[0]);
-    y_i8x16_ps(y_lo128(q), w);
-    y_i8x16_ps(y_hi128(q), w + 2);
-    for (int i = 0; i < 4; i++) {
-        w[i] = _mm256_mul_ps(w[i], d);
-    }
+    y_raw_q5_0(b, w);
+    y_scale4(w, s[0]);
 }
 
 T256 static inline void y_dec_q5_1(const block_q5_1 *b, int g, const float *s, __m256 w[4],
@@ -125,16 +137,18 @@ T256 static inline void y_dec_q5_1(const block_q5_1 *b, int g, const float *s, _
     }
 }
 
+T256 static inline void y_raw_q8_0(const block_q8_0 *b, __m256 w[4]) {
+    for (int i = 0; i < 4; i++) { /* widened straight from memory, 8 bytes at a time */
+        w[i] = y_i8_ps(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * i)));
+    }
+}
+
 T256 static inline void y_dec_q8_0(const block_q8_0 *b, int g, const float *s, __m256 w[4],
                                    int fused) {
     (void)g;
     (void)fused;
-    const __m256 d = _mm256_set1_ps(s[0]);
-    y_i8x16_ps(_mm_loadu_si128((const __m128i *)b->qs), w);
-    y_i8x16_ps(_mm_loadu_si128((const __m128i *)(b->qs + 16)), w + 2);
-    for (int i = 0; i < 4; i++) {
-        w[i] = _mm256_mul_ps(w[i], d);
-    }
+    y_raw_q8_0(b, w);
+    y_scale4(w, s[0]);
 }
 
 /* Group g (0..7) of a Q4_K/Q5_K super-block: bytes qs[32 (g/2) ..], nibble g%2, scale g. */
@@ -312,6 +326,78 @@ T256 static inline float y_hsum(__m256 v) {
 #define DEF_KERNELS(name, type, blk, qk) DEF_BLOCK_KERNELS(name, blk, qk) DEF_MULTI_KERNELS(name, blk, qk)
 LM_BLOCK_TYPES(DEF_KERNELS)
 #undef DEF_KERNELS
+
+/* Scale-only encodings: sum raw integers times x over a block, then scale the block's sum
+ * once (one multiply per block instead of one per weight: decode is bound by these). */
+#define DEF_SCALED_KERNELS(name, blk)                                                              \
+    T256 static inline __m256 y_blk_dot_##name(const blk *b, const float *x) {                     \
+        __m256 w[4];                                                                               \
+        y_raw_##name(b, w);                                                                        \
+        __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));                                        \
+        p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), p);                                      \
+        p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), p);                                     \
+        return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), p);                                  \
+    }                                                                                              \
+    T256 static float y_sdot_##name(const void *row, const float *x, int64_t n) {                  \
+        const blk *b = row;                                                                        \
+        const int64_t nb = n / 32;                                                                 \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;                                                  \
+        int64_t i = 0;                                                                             \
+        for (; i + 2 <= nb; i += 2) { /* two blocks in flight */                                  \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(lm_f16(&b[i].d)), y_blk_dot_##name(b + i, x + 32 * i), \
+                                 a0);                                                              \
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(lm_f16(&b[i + 1].d)),                              \
+                                 y_blk_dot_##name(b + i + 1, x + 32 * i + 32), a1);                \
+        }                                                                                          \
+        if (i < nb) {                                                                              \
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(lm_f16(&b[i].d)), y_blk_dot_##name(b + i, x + 32 * i), \
+                                 a0);                                                              \
+        }                                                                                          \
+        return y_hsum(_mm256_add_ps(a0, a1));                                                      \
+    }                                                                                              \
+    T256 static inline __attribute__((always_inline)) void y_sdotn_body_##name(                   \
+        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,            \
+        int64_t ldo) {                                                                             \
+        __m256 acc[8];                                                                             \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            acc[t] = _mm256_setzero_ps();                                                          \
+        }                                                                                          \
+        for (int64_t i = 0; i < n / 32; i++) {                                                     \
+            __m256 w[4];                                                                           \
+            y_raw_##name(b + i, w);                                                                \
+            const __m256 d = _mm256_set1_ps(lm_f16(&b[i].d));                                      \
+            const float *xb = x + 32 * i;                                                          \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                 \
+                const float *xt = xb + t * ldx;                                                    \
+                __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));                               \
+                p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);                             \
+                p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);                            \
+                p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);                            \
+                acc[t] = _mm256_fmadd_ps(d, p, acc[t]);                                            \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            out[t * ldo] = y_hsum(acc[t]);                                                         \
+        }                                                                                          \
+    }                                                                                              \
+    T256 static void y_sdotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,       \
+                                    int nt, float *out, int64_t ldo) {                             \
+        const blk *b = row;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: y_sdotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                             \
+        case 2: y_sdotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                             \
+        case 3: y_sdotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                             \
+        case 4: y_sdotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                             \
+        case 5: y_sdotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                             \
+        case 6: y_sdotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                             \
+        case 7: y_sdotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                             \
+        default: y_sdotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                            \
+        }                                                                                          \
+    }
+
+DEF_SCALED_KERNELS(q4_0, block_q4_0)
+DEF_SCALED_KERNELS(q5_0, block_q5_0)
+DEF_SCALED_KERNELS(q8_0, block_q8_0)
 
 /* ------------------------------------------------------------------ element types */
 T256 static inline __m256 y_load_f16(const uint8_t *p) {
@@ -635,6 +721,13 @@ void lm_kernels_avx2(lm_kernels *k) {
     LM_BLOCK_TYPES(SET_BLOCK)
 #undef SET_BLOCK
 #undef SET_ELEM
+    /* scale-only encodings: one scale multiply per block in the dot products */
+    k->dot[LM_Q4_0] = y_sdot_q4_0;
+    k->dot[LM_Q5_0] = y_sdot_q5_0;
+    k->dot[LM_Q8_0] = y_sdot_q8_0;
+    k->dotn[LM_Q4_0] = y_sdotn_q4_0;
+    k->dotn[LM_Q5_0] = y_sdotn_q5_0;
+    k->dotn[LM_Q8_0] = y_sdotn_q8_0;
     k->gemm = y_gemm_16x6;
     k->mr = Y_MR;
     k->nr = Y_NR;
@@ -662,6 +755,7 @@ void lm_kernels_avx2(lm_kernels *k) {
 #undef DEF_BLOCK_KERNELS
 #undef DEF_ELEM_KERNELS
 #undef DEF_MULTI_KERNELS
+#undef DEF_SCALED_KERNELS
 #undef Y_MR
 #undef Y_NR
 #endif /* LM_HAVE_X86 */
