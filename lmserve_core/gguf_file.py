@@ -50,6 +50,8 @@ class _BoundedReader(GGUFReader):
 
     def __init__(self, path: Path) -> None:
         self.tensor_infos: list[Any] = []
+        self.string_arrays: dict[str, list[str]] = {}  # string-array values, decoded
+        self._pending_strings: list[str] | None = None
         super().__init__(path)
 
     def _get(  # type: ignore[override]
@@ -97,12 +99,12 @@ class _BoundedReader(GGUFReader):
     def _string_array(
         self, orig_offs: int, item_part: np.ndarray, count_part: np.ndarray, count: int
     ) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
-        # The same parts the base reader builds (a length and a data part per string), but
-        # walked with struct over a memoryview: vocabularies have 10^5 strings.
+        # Decoded straight into a list (walked with struct over a memoryview): vocabularies
+        # have 10^5 strings, and the base reader's two views per string would cost a
+        # transient ~100 MB that the allocator keeps for the life of the server.
         view = memoryview(self.data)  # type: ignore[arg-type]
         end = len(view)
-        parts: list[Any] = [item_part, count_part]
-        data_idxs: list[int] = []
+        values: list[str] = []
         offs = orig_offs + 12
         unpack = _U64.unpack_from
         for _ in range(count):
@@ -111,16 +113,19 @@ class _BoundedReader(GGUFReader):
             (length,) = unpack(view, offs)
             if length > end - offs - 8:
                 raise _Malformed(f"truncated header: a string of {length} bytes runs past the end")
-            parts.append(view[offs : offs + 8])
-            data_idxs.append(len(parts))
-            parts.append(view[offs + 8 : offs + 8 + length])
+            values.append(str(view[offs + 8 : offs + 8 + length], "utf-8"))
             offs += 8 + length
+        self._pending_strings = values  # taken by _push_field for the field being built
         types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
-        return offs - orig_offs, parts, data_idxs, types
+        return offs - orig_offs, [item_part, count_part], [], types
 
     def _push_field(self, field: Any, skip_sum: bool = False) -> int:
         if field.name in self.fields:
             raise _Malformed(f"duplicate metadata key {field.name!r}")
+        pending = getattr(self, "_pending_strings", None)
+        if pending is not None:
+            self.string_arrays[field.name] = pending
+            self._pending_strings = None
         return int(super()._push_field(field, skip_sum))
 
     def _build_fields(self, offs: int, count: int) -> int:
@@ -285,6 +290,9 @@ class GGUFFile:
         metadata: dict[str, Any] = {}
         for key, field in reader.fields.items():
             if key.startswith("GGUF."):
+                continue
+            if key in reader.string_arrays:
+                metadata[key] = reader.string_arrays[key]
                 continue
             try:
                 metadata[key] = field.contents()

@@ -37,8 +37,9 @@ typedef struct {
     int64_t n_kp;          /* key panels of mr keys from key0 */
     int64_t n_rows;        /* query rows per kv head: ntok * group */
     int64_t n_qp;          /* query panels per kv head */
-    float *kpack;          /* n_kv x n_kp x (head_dim x mr) */
-    float *vpack;          /* n_kv x n_chunks x (n_kp * mr x mr) */
+    int h;                 /* the kv head being worked on (one at a time: bounded scratch) */
+    float *kpack;          /* n_kp x (head_dim x mr) of head h */
+    float *vpack;          /* n_chunks x (n_kp * mr x mr) of head h */
     uint8_t *per_thread;   /* Q panel, scores, P^T, output tile */
     size_t per_thread_sz;
 } attn_ctx;
@@ -153,12 +154,10 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
     const attn_ctx *c = arg;
     const int mr = c->mr, hd = c->head_dim;
     const int64_t kv_stride = c->kv_stride;
-    const int64_t items = (int64_t)c->n_kv_head * c->n_kp;
-    const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
-    for (int64_t it = i0; it < i1; it++) {
-        const int h = (int)(it / c->n_kp);
-        const int64_t kp = it % c->n_kp;
-        float *kd = c->kpack + (h * c->n_kp + kp) * (int64_t)hd * mr;
+    const int h = c->h;
+    const int64_t i0 = c->n_kp * task / n_tasks, i1 = c->n_kp * (task + 1) / n_tasks;
+    for (int64_t kp = i0; kp < i1; kp++) {
+        float *kd = c->kpack + kp * (int64_t)hd * mr;
         for (int r = 0; r < mr; r++) {
             const int64_t key = c->key0 + kp * mr + r;
             const int live = key >= c->first && key < c->n_ctx;
@@ -168,8 +167,7 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
             }
         }
         for (int ch = 0; ch < c->n_chunks; ch++) {
-            float *vd = c->vpack + ((int64_t)h * c->n_chunks + ch) * c->n_kp * mr * mr +
-                        kp * mr * mr;
+            float *vd = c->vpack + (int64_t)ch * c->n_kp * mr * mr + kp * mr * mr;
             for (int r = 0; r < mr; r++) {
                 const int64_t key = c->key0 + kp * mr + r;
                 const int live = key >= c->first && key < c->n_ctx;
@@ -193,11 +191,10 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
     float *sbuf = cbuf + (size_t)mr * nr;      /* nr x n_kp * mr */
     float *pt = sbuf + (size_t)nr * c->n_kp * mr; /* n_kp * mr x nr */
     const int64_t span_max = c->n_kp * mr;
-    const int64_t items = (int64_t)c->n_kv_head * c->n_qp;
-    const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
+    const int h = c->h;
+    const int64_t i0 = c->n_qp * task / n_tasks, i1 = c->n_qp * (task + 1) / n_tasks;
     for (int64_t it = i0; it < i1; it++) {
-        const int h = (int)(it / c->n_qp);
-        const int64_t row0 = (it % c->n_qp) * nr;
+        const int64_t row0 = it * nr;
         const int nrows = (int)(c->n_rows - row0 < nr ? c->n_rows - row0 : nr);
         int64_t pos[64] = {0}, lo[64] = {0}; /* nr <= 64 */
         /* Q panel: qp[d * nr + j] for query row j = (token, head in group) */
@@ -223,7 +220,7 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
         const int64_t kp0 = (lo[0] - c->key0) / mr, kp1 = (pos[nrows - 1] - c->key0) / mr;
         const int64_t kbase = c->key0 + kp0 * mr, span = (kp1 - kp0 + 1) * mr;
         for (int64_t kp = kp0; kp <= kp1; kp++) {
-            k->gemm(c->kpack + (h * c->n_kp + kp) * (int64_t)hd * mr, qp, hd, cbuf);
+            k->gemm(c->kpack + kp * (int64_t)hd * mr, qp, hd, cbuf);
             for (int j = 0; j < nr; j++) {
                 memcpy(sbuf + j * span_max + (kp - kp0) * mr, cbuf + j * mr,
                        (size_t)mr * sizeof(float));
@@ -249,7 +246,7 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
         }
         /* O = P V, one head_dim chunk of mr at a time */
         for (int ch = 0; ch < c->n_chunks; ch++) {
-            const float *vp = c->vpack + ((int64_t)h * c->n_chunks + ch) * c->n_kp * mr * mr;
+            const float *vp = c->vpack + (int64_t)ch * c->n_kp * mr * mr;
             k->gemm(vp + kp0 * mr * mr, pt, span, cbuf);
             const int w = hd - ch * mr < mr ? hd - ch * mr : mr;
             for (int j = 0; j < nrows; j++) {
@@ -273,9 +270,8 @@ static int attn_tiled(lm_pool *acq, attn_ctx *c) {
     c->n_kp = (c->n_ctx - c->key0 + mr - 1) / mr;
     c->n_rows = c->ntok * (c->n_head / c->n_kv_head);
     c->n_qp = (c->n_rows + nr - 1) / nr;
-    const size_t kbytes = (size_t)c->n_kv_head * c->n_kp * c->head_dim * mr * sizeof(float);
-    const size_t vbytes =
-        (size_t)c->n_kv_head * c->n_chunks * c->n_kp * mr * mr * sizeof(float);
+    const size_t kbytes = (size_t)c->n_kp * c->head_dim * mr * sizeof(float);
+    const size_t vbytes = (size_t)c->n_chunks * c->n_kp * mr * mr * sizeof(float);
     c->per_thread_sz = (((size_t)c->head_dim * nr + (size_t)mr * nr +
                          2 * (size_t)nr * c->n_kp * mr) * sizeof(float) + 63) & ~(size_t)63;
     const size_t total = kbytes + vbytes + c->per_thread_sz * (size_t)nth;
@@ -286,14 +282,19 @@ static int attn_tiled(lm_pool *acq, attn_ctx *c) {
     c->kpack = (float *)mem;
     c->vpack = (float *)(mem + kbytes);
     c->per_thread = mem + kbytes + vbytes;
-    const int64_t n_pack = (int64_t)c->n_kv_head * c->n_kp;
-    const int64_t n_work = (int64_t)c->n_kv_head * c->n_qp;
-    if (acq != NULL) {
-        lm_pool_run_tasks(acq, attn_pack_task, c, (int)(n_pack < 4 * nth ? n_pack : 4 * nth));
-        lm_pool_run_tasks(acq, attn_tiled_task, c, (int)(n_work < 0xFFFF ? n_work : 0xFFFF));
-    } else {
-        attn_pack_task(c, 0, 1, 0);
-        attn_tiled_task(c, 0, 1, 0);
+    /* one kv head at a time: the packed keys and values of a 32k context are 34 MB per
+     * head, not 34 MB times the number of heads */
+    for (c->h = 0; c->h < c->n_kv_head; c->h++) {
+        if (acq != NULL) {
+            lm_pool_run_tasks(acq, attn_pack_task, c,
+                              (int)(c->n_kp < 4 * nth ? c->n_kp : 4 * nth));
+            lm_pool_run_tasks(acq, attn_tiled_task, c, (int)(c->n_qp < 0xFFFF ? c->n_qp : 0xFFFF));
+        } else {
+            attn_pack_task(c, 0, 1, 0);
+            attn_tiled_task(c, 0, 1, 0);
+        }
+    }
+    if (acq == NULL) {
         lm_aligned_free(mem);
     }
     return LM_OK;

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from lmserve_qwen3 import plugin
 
@@ -140,3 +141,34 @@ def test_lmserve_serves_a_qwen3moe_file_to_the_openai_sdk(server: Any) -> None:
     )
     finishes = [c.choices[0].finish_reason for c in stream if c.choices]
     assert finishes[-1] in ("stop", "length")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_full_cache_costs_its_bytes_per_position(kv_type: str, synthetic: Any) -> None:
+    # Pages commit as positions are written: filling a 64k-position cache costs what
+    # kv_bytes_per_pos says (f16: 2 layers x 2 heads x 64 dims x K,V x 2 bytes = 1 KiB), and
+    # half of the f32 cache's.
+    from lmserve_qwen3.model import Qwen3Model
+
+    from lmserve_core.gguf_file import GGUFFile
+
+    path, _ = synthetic(kind="qwen3", type="q8_0")
+    model = Qwen3Model.load(GGUFFile.open(path), n_threads=1, kv_type=kv_type)
+    n_ctx = 65536
+    per_pos = model.kv_bytes_per_pos
+    assert per_pos == 2 * 2 * 64 * 2 * (2 if kv_type == "f16" else 4)
+    rows = np.ones((4096, 2 * 64), np.float32)
+    before = _rss_bytes()
+    cache = model.new_cache(n_ctx)
+    assert _rss_bytes() - before < 2**20  # nothing committed yet
+    for layer in range(2):
+        for pos in range(0, n_ctx, 4096):
+            cache.native.write(layer, pos, rows, rows)
+    grown = _rss_bytes() - before
+    assert 0.9 * per_pos * n_ctx <= grown <= 1.1 * per_pos * n_ctx + 2**20, grown
