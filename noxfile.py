@@ -1,4 +1,4 @@
-"""Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``."""
+"""Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``, ``wheels``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ REFERENCE = ["torch==2.13.0", "transformers", "accelerate", "sentencepiece", "pr
 
 
 def install_project(session: nox.Session, *, reference: bool = False) -> None:
-    session.install("-U", "setuptools>=68", "wheel", "cffi>=1.16")
+    # pip >= 25.3: the packaging test builds wheels with --build-constraint
+    session.install("-U", "pip>=25.3", "setuptools>=77", "wheel", "cffi>=1.16")
     if reference:
         session.install(REFERENCE[0])  # first, alone: nothing may pull another torch build
         session.install(*REFERENCE[1:])
@@ -41,7 +42,9 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "lmserve_core", "tests", "plugins", "benchmarks", "examples")
+    session.run(
+        "ruff", "check", "lmserve_core", "tests", "plugins", "benchmarks", "examples", "tools"
+    )
 
 
 @nox.session(python="3.11")
@@ -57,3 +60,12 @@ def bench(session: nox.Session) -> None:
     llama.cpp's llama-bench side by side."""
     install_project(session)
     session.run("python", "benchmarks/bench_decode.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def wheels(session: nox.Session) -> None:
+    """Wheels of the core and every plugin into dist/, each built the way pip builds it for a
+    user (isolated; plugins against the core wheel just built). Then, in any venv:
+    `pip install --find-links dist lmserve-qwen3`."""
+    session.install("pip>=25.3")  # --build-constraint
+    session.run("python", "tools/build_wheels.py", "--dist", "dist", *PLUGINS)

