@@ -56,8 +56,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Prefill/decode tok/s on SmolLM2 (2 threads); `-- --llama-bench PATH` runs
-    llama.cpp's llama-bench side by side."""
+    """Prefill/decode tok/s of every family (SmolLM2, Qwen3-0.6B and a Qwen3-MoE geometry; 2
+    threads); `-- --llama-bench PATH` runs llama.cpp's llama-bench side by side."""
     install_project(session)
     session.run("python", "benchmarks/bench_decode.py", *session.posargs)
 
