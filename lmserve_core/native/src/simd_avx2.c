@@ -237,24 +237,82 @@ T256 static inline void y_scales_q6_K(const block_q6_K *b, float *s) {
 #define y_scales_q5_1 lm_scales_q5_1
 #define y_scales_q8_0 lm_scales_q8_0
 
+/* y_grp_<type>(b, g, s, w): group g's 32 values into w[0..3], returning the factor they still
+ * need. The scale-only encodings hand over their integers and the block scale, so a dot
+ * product multiplies by the scale once per group instead of once per weight (decode is
+ * bound by these instructions); the others are decoded to their values (factor 1, and an
+ * FMA by 1 adds exactly). */
+T256 static inline float y_grp_q4_0(const block_q4_0 *b, int g, const float *s, __m256 w[4]) {
+    (void)g;
+    y_raw_q4_0(b, w);
+    return s[0];
+}
+
+T256 static inline float y_grp_q5_0(const block_q5_0 *b, int g, const float *s, __m256 w[4]) {
+    (void)g;
+    y_raw_q5_0(b, w);
+    return s[0];
+}
+
+T256 static inline float y_grp_q8_0(const block_q8_0 *b, int g, const float *s, __m256 w[4]) {
+    (void)g;
+    y_raw_q8_0(b, w);
+    return s[0];
+}
+
+#define Y_GRP_DECODED(name, blk)                                                                   \
+    T256 static inline float y_grp_##name(const blk *b, int g, const float *s, __m256 w[4]) {     \
+        y_dec_##name(b, g, s, w, 1);                                                               \
+        return 1.0f;                                                                               \
+    }
+Y_GRP_DECODED(q4_1, block_q4_1)
+Y_GRP_DECODED(q5_1, block_q5_1)
+Y_GRP_DECODED(q4_K, block_q4_K)
+Y_GRP_DECODED(q5_K, block_q5_K)
+Y_GRP_DECODED(q6_K, block_q6_K)
+
+/* sum over one group of w[v] * x[8v ..]: one product chain per group */
+T256 static inline __m256 y_grp_dot(const __m256 w[4], const float *x) {
+    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), p);
+    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), p);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), p);
+}
+
 #define DEF_BLOCK_KERNELS(name, blk, qk)                                                           \
+    T256 static inline __m256 y_grp_acc_##name(const blk *b, int g, const float *s,               \
+                                               const float *x, __m256 acc) {                       \
+        __m256 w[4];                                                                               \
+        const float f = y_grp_##name(b, g, s, w);                                                  \
+        return _mm256_fmadd_ps(_mm256_set1_ps(f), y_grp_dot(w, x + 32 * g), acc);                 \
+    }                                                                                              \
     T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {                   \
         const blk *b = row;                                                                        \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
-        float s[16];                                                                               \
-        for (int64_t i = 0; i < n / (qk); i++) {                                                   \
-            const float *xb = x + i * (qk);                                                        \
-            y_scales_##name(b + i, s);                                                             \
-            for (int g = 0; g < (qk) / 32; g++) {                                                  \
-                __m256 w[4];                                                                       \
-                y_dec_##name(b + i, g, s, w, 1);                                                   \
-                a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb + 32 * g), a0);                      \
-                a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 32 * g + 8), a1);                  \
-                a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 32 * g + 16), a2);                 \
-                a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 32 * g + 24), a3);                 \
+        const int64_t nb = n / (qk);                                                               \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0; /* two groups in flight */                       \
+        float s[16], s1[16];                                                                       \
+        if ((qk) / 32 >= 2) {                                                                      \
+            for (int64_t i = 0; i < nb; i++) {                                                     \
+                y_scales_##name(b + i, s);                                                         \
+                for (int g = 0; g < (qk) / 32; g += 2) {                                           \
+                    a0 = y_grp_acc_##name(b + i, g, s, x + i * (qk), a0);                          \
+                    a1 = y_grp_acc_##name(b + i, g + 1, s, x + i * (qk), a1);                      \
+                }                                                                                  \
+            }                                                                                      \
+        } else {                                                                                   \
+            int64_t i = 0;                                                                         \
+            for (; i + 2 <= nb; i += 2) {                                                          \
+                y_scales_##name(b + i, s);                                                         \
+                y_scales_##name(b + i + 1, s1);                                                    \
+                a0 = y_grp_acc_##name(b + i, 0, s, x + i * (qk), a0);                              \
+                a1 = y_grp_acc_##name(b + i + 1, 0, s1, x + (i + 1) * (qk), a1);                   \
+            }                                                                                      \
+            if (i < nb) {                                                                          \
+                y_scales_##name(b + i, s);                                                         \
+                a0 = y_grp_acc_##name(b + i, 0, s, x + i * (qk), a0);                              \
             }                                                                                      \
         }                                                                                          \
-        return y_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                \
+        return y_hsum(_mm256_add_ps(a0, a1));                                                      \
     }                                                                                              \
     T256 static void y_deq_##name(const void *src, float *dst, int64_t n) {                        \
         const blk *b = src;                                                                        \
@@ -292,15 +350,10 @@ T256 static inline float y_hsum(__m256 v) {
             y_scales_##name(b + i, s);                                                             \
             for (int g = 0; g < (qk) / 32; g++) {                                                  \
                 __m256 w[4];                                                                       \
-                y_dec_##name(b + i, g, s, w, 1);                                                   \
+                const __m256 f = _mm256_set1_ps(y_grp_##name(b + i, g, s, w));                     \
                 const float *xb = x + i * (qk) + 32 * g;                                           \
                 _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
-                    const float *xt = xb + t * ldx;                                                \
-                    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));                           \
-                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);                         \
-                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);                        \
-                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);                        \
-                    acc[t] = _mm256_add_ps(acc[t], p);                                             \
+                    acc[t] = _mm256_fmadd_ps(f, y_grp_dot(w, xb + t * ldx), acc[t]);               \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
@@ -326,78 +379,6 @@ T256 static inline float y_hsum(__m256 v) {
 #define DEF_KERNELS(name, type, blk, qk) DEF_BLOCK_KERNELS(name, blk, qk) DEF_MULTI_KERNELS(name, blk, qk)
 LM_BLOCK_TYPES(DEF_KERNELS)
 #undef DEF_KERNELS
-
-/* Scale-only encodings: sum raw integers times x over a block, then scale the block's sum
- * once (one multiply per block instead of one per weight: decode is bound by these). */
-#define DEF_SCALED_KERNELS(name, blk)                                                              \
-    T256 static inline __m256 y_blk_dot_##name(const blk *b, const float *x) {                     \
-        __m256 w[4];                                                                               \
-        y_raw_##name(b, w);                                                                        \
-        __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));                                        \
-        p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), p);                                      \
-        p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), p);                                     \
-        return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), p);                                  \
-    }                                                                                              \
-    T256 static float y_sdot_##name(const void *row, const float *x, int64_t n) {                  \
-        const blk *b = row;                                                                        \
-        const int64_t nb = n / 32;                                                                 \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0;                                                  \
-        int64_t i = 0;                                                                             \
-        for (; i + 2 <= nb; i += 2) { /* two blocks in flight */                                  \
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(lm_f16(&b[i].d)), y_blk_dot_##name(b + i, x + 32 * i), \
-                                 a0);                                                              \
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(lm_f16(&b[i + 1].d)),                              \
-                                 y_blk_dot_##name(b + i + 1, x + 32 * i + 32), a1);                \
-        }                                                                                          \
-        if (i < nb) {                                                                              \
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(lm_f16(&b[i].d)), y_blk_dot_##name(b + i, x + 32 * i), \
-                                 a0);                                                              \
-        }                                                                                          \
-        return y_hsum(_mm256_add_ps(a0, a1));                                                      \
-    }                                                                                              \
-    T256 static inline __attribute__((always_inline)) void y_sdotn_body_##name(                   \
-        const blk *b, const float *x, int64_t ldx, int64_t n, const int NT, float *out,            \
-        int64_t ldo) {                                                                             \
-        __m256 acc[8];                                                                             \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
-            acc[t] = _mm256_setzero_ps();                                                          \
-        }                                                                                          \
-        for (int64_t i = 0; i < n / 32; i++) {                                                     \
-            __m256 w[4];                                                                           \
-            y_raw_##name(b + i, w);                                                                \
-            const __m256 d = _mm256_set1_ps(lm_f16(&b[i].d));                                      \
-            const float *xb = x + 32 * i;                                                          \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                 \
-                const float *xt = xb + t * ldx;                                                    \
-                __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));                               \
-                p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);                             \
-                p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);                            \
-                p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);                            \
-                acc[t] = _mm256_fmadd_ps(d, p, acc[t]);                                            \
-            }                                                                                      \
-        }                                                                                          \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
-            out[t * ldo] = y_hsum(acc[t]);                                                         \
-        }                                                                                          \
-    }                                                                                              \
-    T256 static void y_sdotn_##name(const void *row, const float *x, int64_t ldx, int64_t n,       \
-                                    int nt, float *out, int64_t ldo) {                             \
-        const blk *b = row;                                                                        \
-        switch (nt) {                                                                              \
-        case 1: y_sdotn_body_##name(b, x, ldx, n, 1, out, ldo); break;                             \
-        case 2: y_sdotn_body_##name(b, x, ldx, n, 2, out, ldo); break;                             \
-        case 3: y_sdotn_body_##name(b, x, ldx, n, 3, out, ldo); break;                             \
-        case 4: y_sdotn_body_##name(b, x, ldx, n, 4, out, ldo); break;                             \
-        case 5: y_sdotn_body_##name(b, x, ldx, n, 5, out, ldo); break;                             \
-        case 6: y_sdotn_body_##name(b, x, ldx, n, 6, out, ldo); break;                             \
-        case 7: y_sdotn_body_##name(b, x, ldx, n, 7, out, ldo); break;                             \
-        default: y_sdotn_body_##name(b, x, ldx, n, 8, out, ldo); break;                            \
-        }                                                                                          \
-    }
-
-DEF_SCALED_KERNELS(q4_0, block_q4_0)
-DEF_SCALED_KERNELS(q5_0, block_q5_0)
-DEF_SCALED_KERNELS(q8_0, block_q8_0)
 
 /* ------------------------------------------------------------------ element types */
 T256 static inline __m256 y_load_f16(const uint8_t *p) {
@@ -721,13 +702,6 @@ void lm_kernels_avx2(lm_kernels *k) {
     LM_BLOCK_TYPES(SET_BLOCK)
 #undef SET_BLOCK
 #undef SET_ELEM
-    /* scale-only encodings: one scale multiply per block in the dot products */
-    k->dot[LM_Q4_0] = y_sdot_q4_0;
-    k->dot[LM_Q5_0] = y_sdot_q5_0;
-    k->dot[LM_Q8_0] = y_sdot_q8_0;
-    k->dotn[LM_Q4_0] = y_sdotn_q4_0;
-    k->dotn[LM_Q5_0] = y_sdotn_q5_0;
-    k->dotn[LM_Q8_0] = y_sdotn_q8_0;
     k->gemm = y_gemm_16x6;
     k->mr = Y_MR;
     k->nr = Y_NR;
@@ -755,7 +729,7 @@ void lm_kernels_avx2(lm_kernels *k) {
 #undef DEF_BLOCK_KERNELS
 #undef DEF_ELEM_KERNELS
 #undef DEF_MULTI_KERNELS
-#undef DEF_SCALED_KERNELS
+#undef Y_GRP_DECODED
 #undef Y_MR
 #undef Y_NR
 #endif /* LM_HAVE_X86 */
