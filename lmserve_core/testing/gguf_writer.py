@@ -255,6 +255,23 @@ TYPE_NAMES: dict[str, T] = {
 }
 
 
+def add_arch_metadata(writer: GGUFWriter, arch: str, keys: Mapping[str, Any]) -> None:
+    """Write ``{arch}.{key}`` for every key: strings, floats (f32), bools, lists (arrays) and
+    integers (u32), the types llama.cpp's converter uses for hyper-parameters."""
+    for key, value in keys.items():
+        full = f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(full, value)
+        elif isinstance(value, bool):
+            writer.add_bool(full, value)
+        elif isinstance(value, float):
+            writer.add_float32(full, value)
+        elif isinstance(value, list | tuple):
+            writer.add_array(full, list(value))
+        else:
+            writer.add_uint32(full, value)
+
+
 def encode_raw(array: np.ndarray, qtype: T, *, fast: bool = False) -> np.ndarray:
     """The bytes (or f32/f16 values) that store ``array`` as ``qtype``.
 

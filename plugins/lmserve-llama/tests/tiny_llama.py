@@ -10,6 +10,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from lmserve_core.testing.gguf_writer import add_arch_metadata
+
 
 @dataclass
 class TinySpec:
@@ -86,14 +88,7 @@ def write_tiny_llama(path: Path, spec: TinySpec | None = None) -> dict[str, np.n
         keys.pop(key, None)
 
     writer = GGUFWriter(str(path), arch)
-    for key, value in {**keys, **spec.metadata}.items():
-        full = f"{arch}.{key}"
-        if isinstance(value, str):
-            writer.add_string(full, value)
-        elif isinstance(value, float):
-            writer.add_float32(full, value)
-        else:
-            writer.add_uint32(full, value)
+    add_arch_metadata(writer, arch, {**keys, **spec.metadata})
 
     stored: dict[str, np.ndarray] = {}
     weights = _weights(spec) | spec.tensors
