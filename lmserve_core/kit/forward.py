@@ -201,17 +201,11 @@ class NativeForwardModel:
                 f"{extra[:3]}{more}"
             )
 
-    def build(
-        self,
-        build_fn: Callable[..., int],
-        *args: Any,
-        cache_layers: Sequence[tuple[int, int, int]],
-        n_used_experts: int = 0,
-    ) -> None:
+    def build(self, build_fn: Callable[..., int], *args: Any, n_used_experts: int = 0) -> None:
         """Call the family's C ``build(*args, n_threads, n_batch, lm_base **out)``.
 
-        ``cache_layers`` is the (n_kv_head, head_dim_k, head_dim_v) of every layer, as the
-        C model declares it in its lm_base (caches are made with it).
+        The caches this model makes take the geometry the C model declares in its lm_base.
+        ``n_used_experts`` (top-k of a mixture of experts) sizes routing traces.
         """
         out = self.ffi.new("lm_base **")
         status = build_fn(*args, self.n_threads, self.n_batch, out)
@@ -219,10 +213,12 @@ class NativeForwardModel:
         address = int(self.ffi.cast("uintptr_t", out[0]))
         self._base = self.ffi.gc(out[0], lambda _p: kernels.model_free(kernels.as_base(address)))
         self._core = kernels.as_base(address)
-        self.n_layer = len(cache_layers)
-        if self.n_layer != int(self._core.n_layer):
-            raise RuntimeError("the native model declares another layer count")
-        self.cache_layers = list(cache_layers)
+        self.n_layer = int(self._core.n_layer)
+        layers = self._core.cache_layers
+        self.cache_layers = [
+            (int(layers[i].n_kv_head), int(layers[i].head_dim_k), int(layers[i].head_dim_v))
+            for i in range(self.n_layer)
+        ]
         self.n_used_experts = n_used_experts
         self.n_threads = kernels.model_threads(self._core)
 

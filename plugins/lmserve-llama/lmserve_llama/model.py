@@ -57,5 +57,4 @@ class LlamaModel(NativeForwardModel, native=_forward, config=LlamaConfig):
 
         dims = ffi.new("lm_dims *")
         self.dims(dims)
-        geometry = [(c.n_kv_head, c.head_dim, c.head_dim)] * c.n_layer
-        self.build(lib.llama_build, dims, w, cache_layers=geometry)
+        self.build(lib.llama_build, dims, w)

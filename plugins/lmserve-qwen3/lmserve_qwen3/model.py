@@ -41,8 +41,7 @@ class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config):
         cfg.n_expert = c.n_expert
         cfg.n_expert_used = c.n_expert_used
         cfg.expert_weights_scale = c.expert_weights_scale
-        geometry = [(c.n_kv_head, c.head_dim, c.head_dim)] * c.n_layer
-        self.build(lib.qwen3_build, cfg, w, cache_layers=geometry, n_used_experts=c.n_expert_used)
+        self.build(lib.qwen3_build, cfg, w, n_used_experts=c.n_expert_used)
 
     def _layer(self, layer: Any, p: str) -> None:
         c = self.config
