@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .events import EventSink, Finish
 from .request import NormalizedRequest
 
-ToolStyle = Literal["none", "hermes"]
+if TYPE_CHECKING:
+    from .tools import ToolConvention
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +31,17 @@ class Capabilities:
 
     grammar: bool = False  # constrained decoding (response_format, regex, lark, forced tools)
     reasoning: bool = False  # a reasoning channel that can be switched on
-    tool_style: ToolStyle = "none"  # how tool declarations and calls are written
+    # How the family's model writes calls (lmserve_core.tools.HERMES, ...); None: it has no
+    # convention, and only forced calls (through a grammar) can produce one.
+    tools: ToolConvention | None = None
     stop_strings: bool = True  # text stop sequences
     system_role: bool = True  # accepts system messages
     raw_completion: bool = True  # /v1/completions (raw prompt, no chat template)
+
+    @property
+    def tool_style(self) -> str:
+        """The tool convention's name, or "none"."""
+        return self.tools.name if self.tools is not None else "none"
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,7 +104,14 @@ class NormalizedRequest:
     stop: list[str] = field(default_factory=list)
     constraint: Constraint | None = None
     reasoning: bool = False
+    # Most reasoning tokens before the think block is closed and the answer follows
+    # (Anthropic's thinking.budget_tokens); None: no cap beyond max_tokens.
+    reasoning_budget: int | None = None
+    parallel_tool_calls: bool = True  # a forced call may be several calls in one reply
     stream: bool = False
     include_usage: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
+    # Set by the backend's validate: the prompt's token count, known before generation
+    # (Anthropic's message_start reports it).
+    prompt_tokens: int | None = None

@@ -195,8 +195,11 @@ class StreamDecoder:
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
 
     def flush(self) -> str:
-        """Return whatever is held back; an incomplete character becomes U+FFFD."""
-        return self._utf8.decode(b"", final=True)
+        """End of the sequence: an incomplete character held back is dropped (a reply cut by
+        the token budget inside a multi-byte character ends before it, not in U+FFFD)."""
+        pending, _ = self._utf8.getstate()
+        self._utf8.reset()
+        return "" if pending else self._utf8.decode(b"", final=True)
 
 
 class Tokenizer:

@@ -34,6 +34,7 @@ from lmserve_core.events import (
     Usage,
 )
 from lmserve_core.request import NormalizedRequest, ToolCall
+from lmserve_core.tools import HERMES
 
 _DIRECTIVE = re.compile(r"#(reply|tokens|delay|error|fail|think|tool)(?::(.*?))?(?=\s#|$)", re.S)
 
@@ -44,7 +45,7 @@ def _capabilities() -> Capabilities:
     return Capabilities(
         grammar="grammar" in caps,
         reasoning="reasoning" in caps,
-        tool_style="hermes" if "tools" in caps else "none",
+        tools=HERMES if "tools" in caps else None,
     )
 
 

@@ -15,6 +15,7 @@ from lmserve_core.dialects.openai_chat_models import ChatCompletionRequest
 from lmserve_core.dialects.openai_translate import chat_request
 from lmserve_core.errors import InvalidRequest, Unsupported
 from lmserve_core.request import ToolChoiceMode
+from lmserve_core.tools import HERMES
 
 WEATHER_TOOL: Any = {
     "type": "function",
@@ -579,7 +580,7 @@ def test_backend_without_capabilities(start_server: Any) -> None:
 
 # -- translation ---------------------------------------------------------------------------
 
-ALL_CAPS = Capabilities(grammar=True, reasoning=True, tool_style="hermes")
+ALL_CAPS = Capabilities(grammar=True, reasoning=True, tools=HERMES)
 
 
 def translate(body: dict[str, Any], caps: Capabilities = ALL_CAPS, ctx: int = 4096) -> Any:
@@ -676,7 +677,7 @@ def test_translate_constraints_and_tools() -> None:
     assert req.tools[0].parameters["required"] == ["city"]
     assert req.reasoning is False  # a forced call governs the reply from its first token
 
-    no_grammar = Capabilities(grammar=False, reasoning=True, tool_style="hermes")
+    no_grammar = Capabilities(grammar=False, reasoning=True, tools=HERMES)
     with pytest.raises(Unsupported) as info:
         translate(
             {"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": "required"}, no_grammar

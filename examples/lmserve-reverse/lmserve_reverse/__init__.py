@@ -14,7 +14,7 @@ class ReverseBackend:
     model_id = "reverse"
     # No grammar engine, no reasoning channel, no tool convention: the dialects refuse
     # requests that need them, naming the field.
-    capabilities = Capabilities(grammar=False, reasoning=False, tool_style="none")
+    capabilities = Capabilities(grammar=False, reasoning=False)
 
     def __init__(self, settings: ServerSettings) -> None:
         self.context_length = settings.ctx

