@@ -5,6 +5,13 @@ pass and its conventions. Per request: render and tokenize the prompt, adopt a K
 (reusing the longest shared token prefix), prefill the rest in chunks, then decode one
 token at a time — sample, stop on end-of-generation tokens, stop strings, a finished
 grammar or the token budget — streaming whole-code-point text as it goes.
+
+Decoded text passes an ordered chain of filters (:class:`_Output`): stop strings, then the
+reasoning router (think markers), then the tool-call parser of the family's convention,
+then events. Each holds back only what may still become a marker. A forced tool call
+(``tool_choice`` required or named) is a grammar over the convention's call syntax — or,
+for a family without one, over a bare ``{"name", "arguments"}`` object — so it works on
+every family.
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ from .events import (
     FinishReason,
     ReasoningDelta,
     TextDelta,
+    ToolCallEvent,
     Usage,
 )
 from .gguf_file import GGUFFile
 from .kv_slots import KVSlot, SlotPool
 from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
-from .request import Constraint, NormalizedRequest
+from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
 from .stops import StopScanner
 from .tokenizer import Tokenizer
+from .tools import JSON_CALL, ToolCallParser, ToolConvention, forced_call_grammar
 
 log = structlog.get_logger("lmserve.gguf_chat")
 
@@ -63,6 +72,7 @@ class _Prepared:
     max_tokens: int
     think_inside: bool  # the prompt itself opened a think block
     matcher: Any = None  # llguidance.LLMatcher, fresh
+    tools: ToolConvention | None = None  # how calls in the reply are read (None: they are not)
 
 
 class GGUFChatBackend:
@@ -140,6 +150,7 @@ class GGUFChatBackend:
     def validate(self, request: NormalizedRequest) -> None:
         """Render and tokenize the prompt, check it fits, compile any grammar."""
         prepared = self._prepare(request)
+        request.prompt_tokens = len(prepared.tokens)
         with self._prepared_lock:
             self._prepared[request.id] = prepared
             self._prepared.move_to_end(request.id)
@@ -207,7 +218,7 @@ class GGUFChatBackend:
         think_inside = (
             text is not None
             and markers is not None
-            and request.constraint is None
+            and self._thinking(request)
             and text.rstrip().endswith(markers.open)
         )
         n = len(tokens)
@@ -220,15 +231,42 @@ class GGUFChatBackend:
                 code="context_length_exceeded",
             )
         max_tokens = max(0, min(int(request.max_tokens), self.context_length - n))
+        constraint, tools = self._tool_plan(request)
         matcher = None
-        if request.constraint is not None:
+        if constraint is not None:
             if not self.capabilities.grammar:
                 raise Unsupported(
                     f"backend {self.name!r} does not do constrained decoding",
-                    param="response_format",
+                    param="tool_choice" if constraint is not request.constraint else "response_format",
                 )
-            matcher = self._matcher(request.constraint)
-        return _Prepared(request, tokens, max_tokens, think_inside, matcher)
+            matcher = self._matcher(constraint)
+        return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools)
+
+    def _tool_plan(
+        self, request: NormalizedRequest
+    ) -> tuple[Constraint | None, ToolConvention | None]:
+        """The constraint decoding follows and the convention that reads calls in the reply."""
+        convention = self.capabilities.tools
+        choice = request.tool_choice
+        forced = request.tools and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+        if not forced:
+            calls = convention if request.tools and choice.mode != ToolChoiceMode.NONE else None
+            return request.constraint, calls
+        if request.constraint is not None:
+            raise InvalidRequest(
+                "a forced tool call cannot be combined with an output constraint",
+                param="tool_choice",
+            )
+        # Without a convention of its own, the model writes the call as a bare object.
+        convention = convention or JSON_CALL
+        only = choice.name if choice.mode == ToolChoiceMode.NAMED else None
+        try:
+            grammar = forced_call_grammar(
+                convention, request.tools, only=only, parallel=request.parallel_tool_calls
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="tool_choice") from None
+        return Constraint(kind="lark", source=grammar, name="tool_call"), convention
 
     def _render(self, request: NormalizedRequest) -> str:
         kwargs: dict[str, Any] = {}
@@ -236,7 +274,8 @@ class GGUFChatBackend:
         if switch is not None:
             kwargs[switch] = self._thinking(request)
         kwargs.update(request.template_kwargs)
-        tools = tool_dicts(request.tools) or None
+        hidden = request.tool_choice.mode == ToolChoiceMode.NONE
+        tools = None if hidden else (tool_dicts(request.tools) or None)
         return self.template.render(
             message_dicts(request.messages),
             tools=tools,
@@ -246,8 +285,18 @@ class GGUFChatBackend:
 
     @staticmethod
     def _thinking(request: NormalizedRequest) -> bool:
-        # A grammar constrains the reply from its first token: no reasoning head then.
-        return bool(request.reasoning) and request.constraint is None and request.prompt is None
+        # A grammar (an output constraint or a forced call) governs the reply from its first
+        # token: no reasoning head then.
+        forced = bool(request.tools) and request.tool_choice.mode in (
+            ToolChoiceMode.REQUIRED,
+            ToolChoiceMode.NAMED,
+        )
+        return (
+            bool(request.reasoning)
+            and request.constraint is None
+            and not forced
+            and request.prompt is None
+        )
 
     def _take_prepared(self, request: NormalizedRequest) -> _Prepared:
         with self._prepared_lock:
@@ -363,16 +412,18 @@ class GGUFChatBackend:
             vocab,
         )
         decoder = self.tokenizer.stream_decoder(skip_special=True)
-        emitter = _Emitter(
+        out = _Output(
             sink,
             StopScanner(request.stop),
             self._router(request, prepared),
+            prepared.tools.parser() if prepared.tools is not None else None,
         )
         matcher = prepared.matcher
         bits: np.ndarray | None = None
         if matcher is not None:
             n_words = (self._ll_tokenizer().vocab_size + 31) // 32
             bits = np.empty(n_words, dtype=np.int32)
+        budget_close = self._budget_close(request, out)
 
         generated: list[int] = []
         pos = len(slot.tokens)
@@ -395,7 +446,7 @@ class GGUFChatBackend:
             if tok in stop_ids:
                 reason = "stop"
                 break
-            if emitter.push(decoder.push(tok)):
+            if out.push(decoder.push(tok)):
                 reason = "stop_sequence"
                 break
             if matcher is not None:
@@ -406,22 +457,46 @@ class GGUFChatBackend:
                     break
             if len(generated) >= budget:
                 break
-            logits = model.forward(cache, [tok], pos)
-            slot.tokens.append(tok)
-            pos += 1
+            step = [tok]
+            if budget_close is not None and out.reasoning_spent(budget_close[0]):
+                # The reasoning budget is spent: close the think block in the model's own
+                # sequence, so the answer follows it.
+                closing = budget_close[1][: budget - len(generated)]
+                budget_close = None
+                for extra in closing:
+                    out.push(decoder.push(extra), sampled=False)
+                generated.extend(closing)
+                step += closing
+                if len(generated) >= budget:
+                    break  # no row was written for these: the shadow stays exact
+            logits = model.forward(cache, step, pos)
+            slot.tokens.extend(step)
+            pos += len(step)
 
         if reason != "stop_sequence":
-            emitter.push(decoder.flush())
-        emitter.finish()
+            out.push(decoder.flush())
+        out.finish()
         usage.completion_tokens = len(generated)
-        usage.reasoning_tokens = emitter.reasoning_tokens
+        usage.reasoning_tokens = out.reasoning_tokens
         if reason == "stop_sequence":
-            return Finish("stop_sequence", usage, stop_sequence=emitter.scanner.fired)
+            return Finish("stop_sequence", usage, stop_sequence=out.scanner.fired)
+        if out.calls and reason == "stop":
+            return Finish("tool_calls", usage)
         return Finish(reason, usage)
+
+    def _budget_close(
+        self, request: NormalizedRequest, out: _Output
+    ) -> tuple[int, list[int]] | None:
+        """(budget, tokens that close the think block) when reasoning is capped."""
+        markers = self.conventions.think
+        if request.reasoning_budget is None or markers is None or out.router is None:
+            return None
+        closing = self.tokenizer.encode(markers.close + "\n\n", parse_special=True)
+        return max(0, int(request.reasoning_budget)), closing
 
     def _router(self, request: NormalizedRequest, prepared: _Prepared) -> ThinkRouter | None:
         markers = self.conventions.think
-        if markers is None or request.constraint is not None or request.prompt is not None:
+        if markers is None or prepared.matcher is not None or request.prompt is not None:
             return None
         return ThinkRouter(markers, inside=prepared.think_inside)
 
@@ -432,20 +507,30 @@ class GGUFChatBackend:
                 raise InvalidRequest(f"token id {tid} is outside the vocabulary [0, {n})")
 
 
-class _Emitter:
-    """Text of the reply on its way out: stop strings, then reasoning routing, then events."""
+class _Output:
+    """Text of the reply on its way out, through the filters in order: stop strings, the
+    reasoning router, the tool-call parser; then events."""
 
-    __slots__ = ("reasoning_tokens", "router", "scanner", "sink")
+    __slots__ = ("calls", "parser", "reasoning_tokens", "router", "scanner", "sink")
 
-    def __init__(self, sink: EventSink, scanner: StopScanner, router: ThinkRouter | None) -> None:
+    def __init__(
+        self,
+        sink: EventSink,
+        scanner: StopScanner,
+        router: ThinkRouter | None,
+        parser: ToolCallParser | None,
+    ) -> None:
         self.sink = sink
         self.scanner = scanner
         self.router = router
+        self.parser = parser
         self.reasoning_tokens = 0
+        self.calls = 0
 
-    def push(self, text: str) -> bool:
-        """Send ``text`` on; True when a stop string fired."""
-        if self.router is not None and self.router.in_reasoning:
+    def push(self, text: str, *, sampled: bool = True) -> bool:
+        """Send one token's text on; True when a stop string fired. Tokens the server wrote
+        into the reply itself (``sampled=False``) do not count as reasoning."""
+        if sampled and self.router is not None and self.router.in_reasoning:
             self.reasoning_tokens += 1
         if not text:
             return False
@@ -453,17 +538,28 @@ class _Emitter:
         self._route(out)
         return fired is not None
 
+    def reasoning_spent(self, budget: int) -> bool:
+        """True while in the think block with ``budget`` reasoning tokens used up."""
+        return (
+            self.router is not None
+            and self.router.in_reasoning
+            and self.reasoning_tokens >= budget
+        )
+
     def finish(self) -> None:
+        """The reply ended: release everything held back."""
         self._route(self.scanner.flush())
         if self.router is not None:
-            reasoning, reply = self.router.flush()
-            self._send(reasoning, reply)
+            self._send(*self.router.flush())
+        if self.parser is not None:
+            text, calls = self.parser.flush()
+            self._reply(text, calls)
 
     def _route(self, text: str) -> None:
         if not text:
             return
         if self.router is None:
-            self.sink.emit(TextDelta(text))
+            self._send("", text)
         else:
             self._send(*self.router.feed(text))
 
@@ -471,7 +567,17 @@ class _Emitter:
         if reasoning:
             self.sink.emit(ReasoningDelta(reasoning))
         if reply:
-            self.sink.emit(TextDelta(reply))
+            if self.parser is None:
+                self.sink.emit(TextDelta(reply))
+            else:
+                self._reply(*self.parser.feed(reply))
+
+    def _reply(self, text: str, calls: list[ToolCall]) -> None:
+        if text:
+            self.sink.emit(TextDelta(text))
+        for call in calls:
+            self.calls += 1
+            self.sink.emit(ToolCallEvent(call))
 
 
 class _GrammarVocabulary:

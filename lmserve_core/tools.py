@@ -56,10 +56,13 @@ class ToolConvention(Protocol):
     def parser(self) -> ToolCallParser:
         """A parser for one reply."""
 
-    def forced_grammar(self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+    def forced_grammar(
+        self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool, lenient: bool
+    ) -> str:
         """A lark grammar (llguidance) whose sentences are exactly one call — or, with
         ``parallel``, one or more — of the named tools, each with arguments matching its
-        JSON schema. ``arguments`` pairs each allowed tool's name with that schema."""
+        JSON schema. ``arguments`` pairs each allowed tool's name with that schema;
+        ``lenient`` skips schema keywords the grammar engine does not implement."""
 
 
 # ---------------------------------------------------------------------------- hermes
@@ -107,6 +110,7 @@ class HermesParser:
         self._buf = ""
         self._inside = False
         self._space = ""  # trailing whitespace held back
+        self._gap = ""  # whitespace before the open region: text again if it is no call
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buf += text
@@ -122,16 +126,18 @@ class HermesParser:
                 self._inside = False
                 call = _parse_call(body.strip())
                 if call is None:  # not a call: the model's text, markers and all
-                    out.append(self._space + self.open + body + self.close)
+                    out.append(self._gap + self.open + body + self.close)
                 else:
                     calls.append(call)
-                self._space = ""
+                self._space = self._gap = ""
                 continue
             start = self._buf.find(self.open)
             if start >= 0:
-                before = self._buf[:start]
-                if before.strip():
-                    out.append(self._space + before.rstrip())
+                before = self._space + self._buf[:start]
+                text = before.rstrip()
+                if text:
+                    out.append(text)
+                self._gap = before[len(text) :]
                 self._space = ""
                 self._buf = self._buf[start + len(self.open) :]
                 self._inside = True
@@ -150,8 +156,8 @@ class HermesParser:
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         # an unclosed region is text, its marker included
-        text = self._space + (self.open if self._inside else "") + self._buf
-        self._buf, self._inside, self._space = "", False, ""
+        text = (self._gap + self.open if self._inside else self._space) + self._buf
+        self._buf, self._inside, self._space, self._gap = "", False, "", ""
         return text, []
 
 
@@ -164,10 +170,16 @@ def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _json_rule(tools: Sequence[tuple[str, dict[str, Any]]]) -> str:
+def _json_rule(tools: Sequence[tuple[str, dict[str, Any]]], lenient: bool) -> str:
     schemas = [_call_schema(name, args) for name, args in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    # one fixed, readable layout: free whitespace lets small models pad forever
+    options = {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+        "lenient": lenient,
+    }
     return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
 
 
@@ -183,12 +195,14 @@ class HermesConvention:
     def parser(self) -> HermesParser:
         return HermesParser(self.open, self.close)
 
-    def forced_grammar(self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+    def forced_grammar(
+        self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool, lenient: bool
+    ) -> str:
         repeat = ' ("\\n" call)*' if parallel else ""
         return (
             f"start: call{repeat}\n"
             f"call: {json.dumps(self.open)} \"\\n\" body \"\\n\" {json.dumps(self.close)}\n"
-            f"body: {_json_rule(arguments)}\n"
+            f"body: {_json_rule(arguments, lenient)}\n"
         )
 
 
@@ -220,9 +234,11 @@ class JsonCallConvention:
     def parser(self) -> JsonCallParser:
         return JsonCallParser()
 
-    def forced_grammar(self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+    def forced_grammar(
+        self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool, lenient: bool
+    ) -> str:
         # one object: a reply that is a bare object has no place for a second call
-        return f"start: body\nbody: {_json_rule(arguments)}\n"
+        return f"start: body\nbody: {_json_rule(arguments, lenient)}\n"
 
 
 HERMES = HermesConvention()
@@ -237,14 +253,26 @@ def forced_call_grammar(
     parallel: bool = True,
 ) -> str:
     """The grammar forcing a call of ``tools`` (``lmserve_core.request.Tool``), or of the one
-    named ``only``. Argument schemas are enforced where they are the contract (``strict``
-    declarations); other declarations get any JSON object, as their schema may use keywords
-    the grammar engine refuses and non-strict semantics promise no enforcement."""
+    named ``only``, with arguments that validate against each tool's schema. Strict
+    declarations are compiled as they are (a schema the grammar engine cannot honour is an
+    error); for the others, keywords it does not implement are skipped, since non-strict
+    semantics promise no more."""
     allowed = [t for t in tools if only is None or t.name == only]
     if not allowed:
         raise ValueError(f"no declared tool named {only!r}" if only else "no tools to call")
-    arguments = [
-        (t.name, (t.parameters or {"type": "object"}) if t.strict else {"type": "object"})
-        for t in allowed
-    ]
-    return convention.forced_grammar(arguments, parallel)
+    arguments = [(t.name, _closed(t.parameters or {"type": "object"})) for t in allowed]
+    return convention.forced_grammar(arguments, parallel, not all(t.strict for t in allowed))
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others, unless it
+    says otherwise: a tool's declared parameters are the arguments it takes (OpenAI's strict
+    mode requires exactly this), and a grammar left open lets a model invent keys."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

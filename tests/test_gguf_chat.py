@@ -18,12 +18,28 @@ from models import smollm2_path
 from lmserve_core import gguf_chat
 from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings, ThinkMarkers
 from lmserve_core.errors import InvalidRequest, Unsupported
-from lmserve_core.events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta
+from lmserve_core.events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallEvent,
+)
 from lmserve_core.gguf_chat import GGUFChatBackend
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.model import AttentionCache, FamilyConventions
-from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
+from lmserve_core.request import (
+    Constraint,
+    Message,
+    NormalizedRequest,
+    Sampling,
+    Tool,
+    ToolChoice,
+    ToolChoiceMode,
+)
 from lmserve_core.tokenizer import Tokenizer
+from lmserve_core.tools import HERMES
 
 GREEDY = Sampling(temperature=0.0)
 IM_START, IM_END = 1, 2  # SmolLM2's ChatML control tokens
@@ -116,11 +132,8 @@ def _one_tokenizer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 def make_backend(
     gguf: GGUFFile, script: Sequence[int] = (), *, ctx: int = 2048, slots: int = 1, **conv: Any
 ) -> GGUFChatBackend:
-    conventions = FamilyConventions(
-        capabilities=Capabilities(grammar=True),
-        sampling=SamplingDefaults(),
-        **conv,
-    )
+    conv.setdefault("capabilities", Capabilities(grammar=True))
+    conventions = FamilyConventions(sampling=SamplingDefaults(), **conv)
     model = ScriptedModel(49152, script)
     return GGUFChatBackend(
         name="fake",
@@ -486,3 +499,138 @@ def test_constraint_without_grammar_capability_is_a_501(gguf: GGUFFile) -> None:
     backend.capabilities = Capabilities(grammar=False)
     with pytest.raises(Unsupported):
         backend.validate(chat("x", constraint=Constraint(kind="regex", source="a")))
+
+
+# ---------------------------------------------------------------------------- tool calls
+
+WEATHER = Tool(
+    "get_weather",
+    "the weather of a city",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    strict=True,
+)
+HERMES_CAPS = Capabilities(grammar=True, tools=HERMES)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def calls(sink: ListSink) -> list[Any]:
+    return [e.call for e in sink.events if isinstance(e, ToolCallEvent)]
+
+
+def test_calls_in_the_reply_become_tool_call_events(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome")) + [IM_END]
+    backend = make_backend(gguf, script, capabilities=HERMES_CAPS)
+    finish, sink = run(backend, chat("Weather?", tools=[WEATHER]))
+    assert finish.reason == "tool_calls"
+    assert sink.text == "Let me look."
+    got = calls(sink)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    assert got[0].id != got[1].id
+    # text before a call is emitted before it
+    kinds = [type(e).__name__ for e in sink.events]
+    assert kinds.index("ToolCallEvent") > kinds.index("TextDelta")
+
+
+def test_a_malformed_call_passes_through_as_text(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    broken = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>"
+    backend = make_backend(gguf, ids(b0, broken) + [IM_END], capabilities=HERMES_CAPS)
+    finish, sink = run(backend, chat("Weather?", tools=[WEATHER]))
+    assert finish.reason == "stop" and not calls(sink)
+    assert sink.text == broken
+
+
+def test_without_tools_offered_markers_are_text(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, CALL) + [IM_END], capabilities=HERMES_CAPS)
+    finish, sink = run(backend, chat("Weather?"))
+    assert finish.reason == "stop" and not calls(sink) and sink.text == CALL
+
+
+def test_tool_choice_none_hides_the_tools(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf, capabilities=HERMES_CAPS)
+    seen: list[Any] = []
+    render = backend.template.render
+
+    def recording(messages: Any, **kwargs: Any) -> str:
+        seen.append(kwargs.get("tools"))
+        return render(messages, **kwargs)
+
+    backend.template.render = recording  # type: ignore[method-assign]
+    backend._prompt_tokens(chat("Weather?", tools=[WEATHER]))
+    backend._prompt_tokens(
+        chat("Weather?", tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.NONE))
+    )
+    assert seen[0][0]["function"]["name"] == "get_weather" and seen[1] is None
+
+
+@pytest.mark.parametrize("convention", [HERMES, None], ids=["hermes", "no-convention"])
+def test_a_forced_call_is_decoded_under_its_grammar(gguf: GGUFFile, convention: Any) -> None:
+    # The script wants to chat; the grammar only lets a call through (the mask puts the
+    # scripted tokens out of reach wherever they break the call's syntax). A closed set of
+    # cities keeps the call finite whatever the logits say.
+    b0 = make_backend(gguf)
+    backend = make_backend(
+        gguf, ids(b0, "Sure! Paris is sunny."), capabilities=Capabilities(grammar=True, tools=convention)
+    )
+    cities = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}}
+    tools = [Tool("get_weather", "", cities, strict=True), Tool("other", "", {}, strict=True)]
+    request = chat(
+        "Weather?", tools=tools, tool_choice=ToolChoice(ToolChoiceMode.NAMED, "get_weather"),
+        max_tokens=64, parallel_tool_calls=False,
+    )
+    finish, sink = run(backend, request)
+    got = calls(sink)
+    assert finish.reason == "tool_calls", (finish, sink.text)
+    assert len(got) == 1 and got[0].name == "get_weather"
+    assert json.loads(got[0].arguments) in ({}, {"city": "Paris"}, {"city": "Rome"})
+    assert sink.text == ""
+
+
+def test_a_forced_call_reply_follows_the_call_syntax(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, CALL) + [IM_END], capabilities=HERMES_CAPS)
+    request = chat("Weather?", tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))
+    finish, sink = run(backend, request)
+    assert finish.reason == "tool_calls"
+    assert [json.loads(c.arguments) for c in calls(sink)] == [{"city": "Paris"}]
+
+
+def test_forced_calls_turn_the_reasoning_channel_off(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf, capabilities=HERMES_CAPS, think=ThinkMarkers())
+    request = chat(
+        "Weather?", tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
+        reasoning=True,
+    )
+    backend.validate(request)
+    assert not backend._thinking(request)
+    assert backend._take_prepared(request).matcher is not None
+
+
+def test_the_reasoning_budget_closes_the_think_block(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    filler = ids(b0, " step") * 40
+    script = ids(b0, "<think>\n") + filler + ids(b0, " Done.") + [IM_END]
+    backend = make_backend(gguf, script, think=ThinkMarkers())
+    request = chat("Think.", reasoning=True, reasoning_budget=6, max_tokens=80)
+    finish, sink = run(backend, request)
+    assert finish.reason == "stop"
+    assert 0 < len(backend.tokenize(sink.reasoning)) <= 6
+    assert sink.text.endswith("Done.") and "</think>" not in sink.text
+    assert finish.usage.reasoning_tokens == 6  # the budget; the closing marker is ours
+    # the model's own sequence holds the closing marker right after the reasoning
+    closing = ids(b0, "</think>\n\n")
+    rows = list(backend.slots.slots[0].cache.rows)  # type: ignore[attr-defined]
+    assert any(rows[i : i + len(closing)] == closing for i in range(len(rows)))
+    check_shadow(backend)
+
+
+def test_validate_records_the_prompt_token_count(gguf: GGUFFile) -> None:
+    backend = make_backend(gguf)
+    request = chat("Hello there")
+    backend.validate(request)
+    assert request.prompt_tokens == len(backend._prompt_tokens(request)[0]) > 3

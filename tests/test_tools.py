@@ -1,0 +1,149 @@
+"""Tool-call conventions: the streaming parsers at every split, and the forced-call grammars
+compiled and walked by llguidance."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import llguidance
+import pytest
+
+from lmserve_core.request import Tool
+from lmserve_core.tools import HERMES, JSON_CALL, forced_call_grammar
+
+WEATHER = Tool(
+    "get_weather",
+    "",
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    strict=True,
+)
+TIME = Tool("get_time", "", {"type": "object", "properties": {"tz": {"type": "string"}}})
+
+CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_B = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def parse_in_pieces(convention: Any, pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
+    parser = convention.parser()
+    text, calls = "", []
+    for piece in pieces:
+        t, c = parser.feed(piece)
+        text += t
+        calls += c
+    t, c = parser.flush()
+    return text + t, [(call.name, json.loads(call.arguments)) for call in calls + c]
+
+
+def splits(text: str, n: int) -> list[list[str]]:
+    """Every way of cutting ``text`` into n pieces."""
+    out = []
+    for cuts in itertools.combinations(range(len(text) + 1), n - 1):
+        bounds = [0, *cuts, len(text)]
+        out.append([text[a:b] for a, b in itertools.pairwise(bounds)])
+    return out
+
+
+REPLIES = [
+    # (reply, content, calls)
+    ("Let me check.\n\n" + CALL_A, "Let me check.", [("get_weather", {"city": "Paris"})]),
+    (CALL_A + "\n" + CALL_B, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("No call here, just <tool text.", "No call here, just <tool text.", []),
+    ("Before " + CALL_B + " after.", "Before after.", [("get_time", {})]),
+    ("<tool_call>\n{not json}\n</tool_call> x", "<tool_call>\n{not json}\n</tool_call> x", []),
+    ('<tool_call>\n{"name": "f", "arguments": 3}\n</tool_call>',
+     '<tool_call>\n{"name": "f", "arguments": 3}\n</tool_call>', []),
+    ("cut <tool_call>\n{\"name\": \"f\"", "cut <tool_call>\n{\"name\": \"f\"", []),
+    ("trailing space stays  ", "trailing space stays  ", []),
+]
+
+
+@pytest.mark.parametrize(("reply", "content", "want"), REPLIES)
+def test_hermes_parser_at_every_split(reply: str, content: str, want: list[Any]) -> None:
+    assert parse_in_pieces(HERMES, [reply]) == (content, want)
+    for pieces in splits(reply, 2):
+        assert parse_in_pieces(HERMES, pieces) == (content, want), pieces
+    for pieces in splits(reply, 3)[::7]:  # a sample of the three-way cuts
+        assert parse_in_pieces(HERMES, pieces) == (content, want), pieces
+
+
+def test_hermes_parser_holds_back_only_what_may_be_a_marker() -> None:
+    parser = HERMES.parser()
+    assert parser.feed("Hello <tool") == ("Hello", [])  # "<tool" and the space wait
+    assert parser.feed("box> done") == (" <toolbox> done", [])
+
+
+def test_hermes_reads_quoted_arguments_and_keeps_ids_unique() -> None:
+    reply = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>' * 2
+    parser = HERMES.parser()
+    text, calls = parser.feed(reply)
+    assert text == "" and [json.loads(c.arguments) for c in calls] == [{"a": 1}, {"a": 1}]
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+
+
+def test_json_call_parser_takes_one_object_or_returns_text() -> None:
+    body = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for pieces in splits(body, 2):
+        assert parse_in_pieces(JSON_CALL, pieces) == ("", [("get_weather", {"city": "Paris"})])
+    assert parse_in_pieces(JSON_CALL, ["Sorry, no."]) == ("Sorry, no.", [])
+
+
+# ---------------------------------------------------------------------------- grammars
+
+
+class ByteVocab:
+    """A vocabulary of single bytes (and an EOS), so a grammar can be walked byte by byte."""
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [b"</s>"]
+        self.eos_token_id = 256
+        self.bos_token_id = None
+        self.special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        return list(data)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocab()))
+
+
+def accepts(tokenizer: Any, grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert not matcher.is_error(), matcher.get_error()
+    for byte in text.encode():
+        if not matcher.consume_token(byte):
+            return False
+    return bool(matcher.is_accepting())
+
+
+def test_hermes_grammar_accepts_exactly_calls_of_the_allowed_tools(tokenizer: Any) -> None:
+    grammar = forced_call_grammar(HERMES, [WEATHER, TIME])
+    assert accepts(tokenizer, grammar, CALL_A)
+    assert accepts(tokenizer, grammar, CALL_A + "\n" + CALL_B)  # parallel by default
+    assert not accepts(tokenizer, grammar, "Sure. " + CALL_A)
+    assert not accepts(tokenizer, grammar, CALL_A.replace("get_weather", "rm_rf"))
+    # a strict schema is enforced: the required argument, its type, no invented keys
+    assert not accepts(tokenizer, grammar, CALL_A.replace('{"city": "Paris"}', "{}"))
+    assert not accepts(tokenizer, grammar, CALL_A.replace('"Paris"', "3"))
+    assert not accepts(tokenizer, grammar, CALL_A.replace('"Paris"}', '"Paris", "x": 1}'))
+
+
+def test_forced_grammar_for_one_named_tool_and_one_call(tokenizer: Any) -> None:
+    grammar = forced_call_grammar(HERMES, [WEATHER, TIME], only="get_time", parallel=False)
+    assert accepts(tokenizer, grammar, CALL_B)
+    assert not accepts(tokenizer, grammar, CALL_A)
+    assert not accepts(tokenizer, grammar, CALL_B + "\n" + CALL_B)
+    with pytest.raises(ValueError, match="no declared tool named 'nope'"):
+        forced_call_grammar(HERMES, [WEATHER], only="nope")
+
+
+def test_json_call_grammar_is_one_bare_object(tokenizer: Any) -> None:
+    grammar = forced_call_grammar(JSON_CALL, [WEATHER, TIME])
+    assert accepts(tokenizer, grammar, '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert accepts(tokenizer, grammar, '{"name": "get_time", "arguments": {"tz": "UTC"}}')
+    assert not accepts(tokenizer, grammar, CALL_A)
+    assert not accepts(tokenizer, grammar, '{"name": "get_time"}')
