@@ -10,6 +10,8 @@ PYTHONPATH). The reply is driven by directives in the last user message:
 * ``#fail``         raise before any output
 * ``#think:TEXT``   reasoning text before the reply
 * ``#tool:NAME:JSON`` a tool call after the reply text
+* ``#echo``         reply with one JSON object describing the request the backend received
+                    (constraint, tools, tool choice, reasoning, messages, ...)
 
 Directives end at the next `` #`` or the end of the message. Capabilities come from
 ``LMSERVE_SCRIPTED_CAPS`` (comma list of grammar, reasoning, tools; default all).
@@ -17,9 +19,11 @@ Directives end at the next `` #`` or the end of the message. Capabilities come f
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
+from typing import Any
 
 from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, ServerSettings
@@ -36,7 +40,9 @@ from lmserve_core.events import (
 from lmserve_core.request import NormalizedRequest, ToolCall
 from lmserve_core.tools import HERMES
 
-_DIRECTIVE = re.compile(r"#(reply|tokens|delay|error|fail|think|tool)(?::(.*?))?(?=\s#|$)", re.S)
+_DIRECTIVE = re.compile(
+    r"#(reply|tokens|delay|error|fail|think|tool|echo)(?::(.*?))?(?=\s#|$)", re.S
+)
 
 
 def _capabilities() -> Capabilities:
@@ -47,6 +53,28 @@ def _capabilities() -> Capabilities:
         reasoning="reasoning" in caps,
         tools=HERMES if "tools" in caps else None,
     )
+
+
+def _echo(request: NormalizedRequest) -> str:
+    """What the backend received, as JSON (the ``#echo`` reply)."""
+    c = request.constraint
+    summary: dict[str, Any] = {
+        "constraint": None
+        if c is None
+        else {"kind": c.kind, "source": c.source, "name": c.name, "strict": c.strict},
+        "tools": [{"name": t.name, "strict": t.strict} for t in request.tools],
+        "tool_choice": {"mode": request.tool_choice.mode.value, "name": request.tool_choice.name},
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "reasoning": request.reasoning,
+        "reasoning_budget": request.reasoning_budget,
+        "prompt_tokens": request.prompt_tokens,
+        "template_kwargs": request.template_kwargs,
+        "messages": [
+            {"role": m.role, "content": m.content, "reasoning": m.reasoning}
+            for m in request.messages
+        ],
+    }
+    return json.dumps(summary)
 
 
 def _pieces(text: str) -> list[str]:
@@ -87,13 +115,16 @@ class ScriptedBackend:
                 f"prompt is {n} tokens; the context is {self.context_length}",
                 code="context_length_exceeded",
             )
+        request.prompt_tokens = n
 
     def generate(self, request: NormalizedRequest, sink: EventSink) -> Finish:
         directives = {name: (arg or "") for name, arg in _DIRECTIVE.findall(self._prompt_text(request))}
         if "fail" in directives:
             raise BackendFailure("scripted failure before output")
         delay = float(directives.get("delay") or 0) / 1000
-        if "tokens" in directives:
+        if "echo" in directives:
+            text = _echo(request)
+        elif "tokens" in directives:
             text = " ".join(f"t{i}" for i in range(int(directives["tokens"])))
         else:
             text = directives.get("reply") or "Hello from scripted."
@@ -106,7 +137,9 @@ class ScriptedBackend:
         emitted = ""
         holdback = max((len(s) for s in request.stop), default=1) - 1
         produced = ""
-        for i, piece in enumerate(_pieces(text)):
+        # an echo is one piece, so small max_tokens bounds never cut it
+        pieces = [text] if "echo" in directives else _pieces(text)
+        for i, piece in enumerate(pieces):
             if sink.cancelled:
                 return Finish("cancelled", usage)
             if usage.completion_tokens >= request.max_tokens:

@@ -230,16 +230,64 @@ def test_replayed_reasoning_and_extensions_accepted(server: Any) -> None:
     assert r.json()["choices"][0]["message"]["content"] == "fine"
 
 
+def echoed(completion: Any) -> Any:
+    """What the scripted backend received (its ``#echo`` reply)."""
+    return json.loads(completion.choices[0].message.content or "")
+
+
 def test_structured_output_request_reaches_backend(openai_client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     completion = openai_client.chat.completions.create(
         model="m",
-        messages=user('#reply:{"a": 1}'),
+        messages=user("#echo"),
         response_format={
             "type": "json_schema",
-            "json_schema": {"name": "obj", "schema": {"type": "object"}, "strict": True},
+            "json_schema": {"name": "obj", "schema": schema, "strict": True},
         },
     )
-    assert json.loads(completion.choices[0].message.content or "") == {"a": 1}
+    constraint = echoed(completion)["constraint"]
+    assert constraint["kind"] == "json_schema" and constraint["name"] == "obj"
+    assert json.loads(constraint["source"]) == schema and constraint["strict"] is True
+    for extra, kind, source in (
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        ({"regex": "[a-z]+"}, "regex", "[a-z]+"),
+        ({"lark": "start: /x/"}, "lark", "start: /x/"),
+    ):
+        completion = openai_client.chat.completions.create(
+            model="m", messages=user("#echo"), extra_body=extra
+        )
+        constraint = echoed(completion)["constraint"]
+        assert (constraint["kind"], constraint["source"]) == (kind, source)
+    plain = openai_client.chat.completions.create(model="m", messages=user("#echo"))
+    assert echoed(plain)["constraint"] is None
+
+
+def test_tool_decisions_reach_backend(openai_client: openai.OpenAI) -> None:
+    # none: the model does not see the tools, so nothing can come back as a call
+    completion = openai_client.chat.completions.create(
+        model="m", messages=user(TOOL_PROMPT), tools=[WEATHER_TOOL], tool_choice="none"
+    )
+    assert completion.choices[0].message.tool_calls is None
+    assert completion.choices[0].finish_reason == "stop"
+    got = echoed(
+        openai_client.chat.completions.create(
+            model="m", messages=user("#echo"), tools=[WEATHER_TOOL], tool_choice="none"
+        )
+    )
+    assert got["tools"] == [] and got["tool_choice"]["mode"] == "none"
+    got = echoed(
+        openai_client.chat.completions.create(
+            model="m",
+            messages=user("#echo"),
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+            reasoning_effort="high",
+        )
+    )
+    assert got["tool_choice"] == {"mode": "named", "name": "get_weather"}
+    assert got["parallel_tool_calls"] is False
+    assert got["reasoning"] is False  # the forced call's grammar governs the reply
 
 
 def test_parse_helper(openai_client: openai.OpenAI) -> None:
@@ -552,16 +600,18 @@ def test_backend_without_capabilities(start_server: Any) -> None:
         )
         assert completion.choices[0].finish_reason == "stop"
         assert completion.choices[0].message.tool_calls is None
-        # A forced call cannot be honored without a tool convention.
-        with pytest.raises(openai.BadRequestError) as bad:
+        # A forced call is a grammar: without constrained decoding it is a 501.
+        with pytest.raises(openai.APIStatusError) as unsupported:
             client.chat.completions.create(
                 model="m", messages=user("hi"), tools=[WEATHER_TOOL], tool_choice="required"
             )
-        assert "tool_choice" in bad.value.message
+        assert unsupported.value.status_code == 501
+        assert unsupported.value.body["param"] == "tool_choice"  # type: ignore[index]
         # Reasoning needs a reasoning mode; none/minimal stay accepted.
         with pytest.raises(openai.BadRequestError) as bad:
             client.chat.completions.create(model="m", messages=user("hi"), reasoning_effort="low")
         assert "reasoning_effort" in bad.value.message
+        assert "tools_dropped" in bare.log_text()
         client.chat.completions.create(model="m", messages=user("hi"), reasoning_effort="none")
         # Constraints need constrained decoding.
         for extra, param in (
@@ -678,17 +728,86 @@ def test_translate_constraints_and_tools() -> None:
     assert req.reasoning is False  # a forced call governs the reply from its first token
 
     no_grammar = Capabilities(grammar=False, reasoning=True, tools=HERMES)
-    with pytest.raises(Unsupported) as info:
-        translate(
-            {"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": "required"}, no_grammar
-        )
-    assert info.value.param == "tool_choice" and info.value.status == 501
     req = translate({"messages": user("x"), "tools": [WEATHER_TOOL]}, no_grammar)
     assert req.tool_choice.mode is ToolChoiceMode.AUTO and len(req.tools) == 1
 
-    plain = Capabilities()
-    req = translate({"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": "none"}, plain)
-    assert req.tools == []
+
+GRAMMAR_ONLY = Capabilities(grammar=True)  # constrained decoding, no tool convention
+FORCED_CHOICES: list[Any] = [
+    "required",
+    {"type": "function", "function": {"name": "get_weather"}},
+    {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("choice", FORCED_CHOICES)
+def test_forced_call_without_a_convention_is_accepted_with_grammar(choice: Any) -> None:
+    req = translate(
+        {"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": choice}, GRAMMAR_ONLY
+    )
+    assert [t.name for t in req.tools] == ["get_weather"]
+    assert req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+
+
+def test_auto_tools_without_a_convention_are_dropped() -> None:
+    req = translate({"messages": user("x"), "tools": [WEATHER_TOOL]}, GRAMMAR_ONLY)
+    assert req.tools == [] and req.tool_choice.mode is ToolChoiceMode.AUTO
+
+
+@pytest.mark.parametrize("caps", [Capabilities(tools=HERMES), Capabilities()])
+@pytest.mark.parametrize("choice", FORCED_CHOICES)
+def test_forced_call_needs_grammar(caps: Capabilities, choice: Any) -> None:
+    with pytest.raises(Unsupported) as info:
+        translate({"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": choice}, caps)
+    assert info.value.status == 501 and info.value.param == "tool_choice"
+    assert info.value.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"regex": "a+"}, "regex"),
+        ({"lark": "start: /a/"}, "lark"),
+    ],
+)
+def test_forced_call_excludes_a_constraint(extra: dict[str, Any], field: str) -> None:
+    for caps in (ALL_CAPS, GRAMMAR_ONLY):
+        with pytest.raises(InvalidRequest) as info:
+            translate(
+                {
+                    "messages": user("x"),
+                    "tools": [WEATHER_TOOL],
+                    "tool_choice": "required",
+                    **extra,
+                },
+                caps,
+            )
+        assert info.value.status == 400 and info.value.param == "tool_choice"
+        assert f"'{field}'" in info.value.message
+
+
+def test_tool_choice_none_hides_the_tools() -> None:
+    for caps in (ALL_CAPS, GRAMMAR_ONLY, Capabilities()):
+        req = translate(
+            {"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": "none"}, caps
+        )
+        assert req.tools == [] and req.tool_choice.mode is ToolChoiceMode.NONE
+
+
+def test_parallel_tool_calls() -> None:
+    body = {"messages": user("x"), "tools": [WEATHER_TOOL]}
+    assert translate(body).parallel_tool_calls is True
+    assert translate({**body, "parallel_tool_calls": True}).parallel_tool_calls is True
+    assert translate({**body, "parallel_tool_calls": False}).parallel_tool_calls is False
+    forced = {**body, "tool_choice": "required", "parallel_tool_calls": False}
+    assert translate(forced, GRAMMAR_ONLY).parallel_tool_calls is False
 
 
 def test_translate_caps_rejections() -> None:
@@ -706,12 +825,42 @@ def test_translate_reasoning_switches() -> None:
     assert translate({"messages": user("x")}).reasoning is False
     assert translate({"messages": user("x"), "reasoning_effort": "low"}).reasoning is True
     assert translate({"messages": user("x"), "reasoning_effort": "none"}).reasoning is False
-    thinking = {"messages": user("x"), "chat_template_kwargs": {"enable_thinking": True}}
+    assert translate({"messages": user("x"), "reasoning_effort": "minimal"}).reasoning is False
+    thinking = {"messages": user("x"), "chat_template_kwargs": {"enable_thinking": True, "x": 1}}
     req = translate(thinking)
-    assert req.reasoning is True and req.template_kwargs == {"enable_thinking": True}
-    assert translate(thinking, Capabilities()).reasoning is False
-    constrained = {"messages": user("x"), "reasoning_effort": "high", "regex": "a"}
-    assert translate(constrained).reasoning is False
+    # consumed as the switch: the backend renders the decision through its family's switch
+    assert req.reasoning is True and req.template_kwargs == {"x": 1}
+    assert translate(thinking, Capabilities()).reasoning is False  # a no-op without reasoning
+    off = {"messages": user("x"), "chat_template_kwargs": {"enable_thinking": False}}
+    assert translate(off).reasoning is False and translate(off).template_kwargs == {}
+    # an explicit effort wins over the template switch
+    assert translate({**thinking, "reasoning_effort": "none"}).reasoning is False
+    assert translate({**off, "reasoning_effort": "low"}).reasoning is True
+    # a constraint or a forced call governs the reply from its first token
+    for extra in (
+        {"regex": "a"},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [WEATHER_TOOL], "tool_choice": "required"},
+    ):
+        assert (
+            translate({"messages": user("x"), "reasoning_effort": "high", **extra}).reasoning
+            is False
+        )
+        assert translate({**thinking, **extra}).reasoning is False
+    # auto tools leave it on
+    assert translate({**thinking, "tools": [WEATHER_TOOL]}).reasoning is True
+    # chat has no budget field
+    assert translate({"messages": user("x"), "reasoning_effort": "high"}).reasoning_budget is None
+
+
+def test_reasoning_effort_on_a_backend_without_reasoning() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        translate({"messages": user("x"), "reasoning_effort": "high"}, Capabilities())
+    assert info.value.status == 400 and info.value.param == "reasoning_effort"
+    assert (
+        translate({"messages": user("x"), "reasoning_effort": "none"}, Capabilities()).reasoning
+        is False
+    )
 
 
 def test_translate_allowed_tools() -> None:

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import anthropic
 import httpx
+import msgspec
 import pytest
 from httpx_sse import connect_sse
 from processes import API_KEY, RunningServer, launch
 
-from lmserve_core.dialects.anthropic_encoder import message_body
+from lmserve_core.backend import Capabilities
+from lmserve_core.dialects.anthropic import translate
+from lmserve_core.dialects.anthropic_encoder import MessageStreamEncoder, message_body
+from lmserve_core.dialects.anthropic_models import CountTokensRequest, MessagesRequest
 from lmserve_core.dialects.common import Collected
+from lmserve_core.errors import InvalidRequest, Unsupported
 from lmserve_core.events import Finish, Usage
-from lmserve_core.request import ToolCall
+from lmserve_core.request import ToolCall, ToolChoiceMode
+from lmserve_core.tools import HERMES
 from lmserve_core.wire_errors import anthropic_error
 
 HEADERS = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
@@ -242,7 +249,12 @@ def test_tool_history_round_trip(anthropic_client: anthropic.Anthropic) -> None:
     assert second.stop_reason == "end_turn"
 
 
-def test_history_thinking_blocks_are_dropped(server: RunningServer) -> None:
+def echoed(message: Any) -> Any:
+    """What the scripted backend received (its ``#echo`` reply)."""
+    return json.loads(message.content[0].text)
+
+
+def test_history_thinking_blocks_become_the_turn_reasoning(server: RunningServer) -> None:
     body = {
         "model": "m",
         "max_tokens": 16,
@@ -256,30 +268,69 @@ def test_history_thinking_blocks_are_dropped(server: RunningServer) -> None:
                     {"type": "text", "text": "a"},
                 ],
             },
-            {"role": "user", "content": [{"type": "text", "text": "#reply:ok"}]},
+            {"role": "user", "content": [{"type": "text", "text": "#echo"}]},
         ],
     }
     response = post(server.base_url, body)
     assert response.status_code == 200, response.text
-    assert response.json()["content"][0]["text"] == "ok"
+    messages = json.loads(response.json()["content"][0]["text"])["messages"]
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "old"}
+    assert messages[0]["reasoning"] is None and messages[2]["reasoning"] is None
 
 
 def test_output_config_json_schema(anthropic_client: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for extra in (
+        {"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}}},
+        {"output_format": {"type": "json_schema", "schema": schema}},  # the beta spelling
+    ):
+        message = anthropic_client.messages.create(
+            model="m", max_tokens=64, messages=user("#echo"), extra_body=extra
+        )
+        constraint = echoed(message)["constraint"]
+        assert constraint["kind"] == "json_schema"
+        assert json.loads(constraint["source"]) == schema
+    plain = anthropic_client.messages.create(model="m", max_tokens=64, messages=user("#echo"))
+    assert echoed(plain)["constraint"] is None
+
+
+def test_thinking_and_tool_decisions_reach_backend(anthropic_client: anthropic.Anthropic) -> None:
+    got = echoed(
+        anthropic_client.messages.create(
+            model="m",
+            max_tokens=4096,
+            thinking={"type": "enabled", "budget_tokens": 1500},
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+            messages=user("#echo"),
+        )
+    )
+    assert got["reasoning"] is True and got["reasoning_budget"] == 1500
+    assert got["parallel_tool_calls"] is False
+    assert [t["name"] for t in got["tools"]] == ["get_weather"]
+    got = echoed(
+        anthropic_client.messages.create(
+            model="m",
+            max_tokens=64,
+            thinking={"type": "enabled", "budget_tokens": 1500},
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            messages=user("#echo"),
+        )
+    )
+    assert got["tool_choice"] == {"mode": "named", "name": "get_weather"}
+    assert got["reasoning"] is False and got["reasoning_budget"] is None  # the grammar rules
+    assert got["tools"] == [{"name": "get_weather", "strict": True}]  # input_schema is the contract
+    # none hides the tools: the scripted call never comes back
     message = anthropic_client.messages.create(
         model="m",
         max_tokens=64,
-        messages=user('#reply:{"a": 1}'),
-        extra_body={
-            "output_config": {
-                "effort": "high",
-                "format": {
-                    "type": "json_schema",
-                    "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
-                },
-            }
-        },
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "none"},
+        messages=user('#reply:No call. #tool:get_weather:{"city": "Paris"}'),
     )
-    assert json.loads(message.content[0].text) == {"a": 1}
+    assert [block.type for block in message.content] == ["text"]
+    assert message.stop_reason == "end_turn"
 
 
 # ---------------------------------------------------------------- streaming
@@ -316,6 +367,12 @@ def test_stream_event_order(server: RunningServer) -> None:
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
     assert start["usage"]["output_tokens"] == 0
+    # the prompt was counted before generation started, as Anthropic reports it
+    final_usage = events[-2][1]["usage"]
+    assert start["usage"]["input_tokens"] > 0
+    assert start["usage"]["input_tokens"] == (
+        final_usage["input_tokens"] + final_usage["cache_read_input_tokens"]
+    )
     blocks = [data for name, data in events if name == "content_block_start"]
     assert [b["index"] for b in blocks] == [0, 1, 2]
     assert [b["content_block"]["type"] for b in blocks] == ["thinking", "text", "tool_use"]
@@ -690,7 +747,8 @@ def test_bare_backend_rejects_forced_tools(bare_server: RunningServer) -> None:
         "messages": user("hi"),
     }
     response = post(bare_server.base_url, body)
-    assert response.status_code == 400
+    # a forced call is a grammar: without constrained decoding it is a 501
+    assert response.status_code == 501
     assert "tool_choice" in response.json()["error"]["message"]
 
 
@@ -778,3 +836,167 @@ def test_count_tokens_rejects_images(server: RunningServer) -> None:
 def test_openapi_describes_the_bodies(server: RunningServer) -> None:
     schema = httpx.get(server.base_url + "/schema/openapi.json", headers=HEADERS).json()
     assert "MessagesRequest" in json.dumps(schema["components"]["schemas"])
+
+
+# ---------------------------------------------------------------- translation
+
+
+ALL_CAPS = Capabilities(grammar=True, reasoning=True, tools=HERMES)
+GRAMMAR_ONLY = Capabilities(grammar=True)  # constrained decoding, no tool convention
+
+
+def translated(body: dict[str, Any], caps: Capabilities = ALL_CAPS, *, count: bool = False) -> Any:
+    server: Any = SimpleNamespace(
+        backend=SimpleNamespace(capabilities=caps), ctx=4096, model_id="m"
+    )
+    full = {"messages": user("x"), **body}
+    if count:
+        return translate(msgspec.convert(full, CountTokensRequest), server)
+    return translate(msgspec.convert({"max_tokens": 64, **full}, MessagesRequest), server)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_call_without_a_convention_is_accepted_with_grammar(choice: Any) -> None:
+    req = translated({"tools": [WEATHER_TOOL], "tool_choice": choice}, GRAMMAR_ONLY)
+    assert [t.name for t in req.tools] == ["get_weather"]
+    assert req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    assert translated({"tools": [WEATHER_TOOL]}, GRAMMAR_ONLY).tools == []  # auto: dropped
+
+
+@pytest.mark.parametrize("caps", [Capabilities(tools=HERMES), Capabilities()])
+def test_forced_call_needs_grammar(caps: Capabilities) -> None:
+    with pytest.raises(Unsupported) as info:
+        translated({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}}, caps)
+    assert info.value.status == 501 and info.value.param == "tool_choice"
+
+
+def test_forced_call_excludes_output_config() -> None:
+    fmt = {"type": "json_schema", "schema": {"type": "object"}}
+    for extra, field in (
+        ({"output_config": {"format": fmt}}, "output_config.format"),
+        ({"output_format": fmt}, "output_format"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            translated({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}, **extra})
+        assert info.value.status == 400 and info.value.param == "tool_choice"
+        assert f"'{field}'" in info.value.message
+
+
+def test_tool_choice_none_hides_the_tools_and_parallel_maps() -> None:
+    req = translated({"tools": [WEATHER_TOOL], "tool_choice": {"type": "none"}})
+    assert req.tools == [] and req.tool_choice.mode is ToolChoiceMode.NONE
+    assert translated({"tools": [WEATHER_TOOL]}).parallel_tool_calls is True
+    for kind in ("auto", "any"):
+        choice = {"type": kind, "disable_parallel_tool_use": True}
+        assert (
+            translated({"tools": [WEATHER_TOOL], "tool_choice": choice}).parallel_tool_calls
+            is False
+        )
+        choice = {"type": kind, "disable_parallel_tool_use": False}
+        assert (
+            translated({"tools": [WEATHER_TOOL], "tool_choice": choice}).parallel_tool_calls is True
+        )
+
+
+def test_thinking_mapping() -> None:
+    enabled = {"thinking": {"type": "enabled", "budget_tokens": 2048}}
+    req = translated(enabled)
+    assert req.reasoning is True and req.reasoning_budget == 2048
+    req = translated({"thinking": {"type": "adaptive"}})
+    assert req.reasoning is True and req.reasoning_budget is None
+    req = translated({"thinking": {"type": "disabled", "budget_tokens": 2048}})
+    assert req.reasoning is False and req.reasoning_budget is None
+    assert translated({}).reasoning is False
+    # a no-op without a reasoning channel: no error, no budget
+    req = translated(enabled, Capabilities())
+    assert req.reasoning is False and req.reasoning_budget is None
+    # a constraint or a forced call governs the reply from its first token
+    fmt = {"type": "json_schema", "schema": {"type": "object"}}
+    for extra in (
+        {"output_config": {"format": fmt}},
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}},
+    ):
+        req = translated({**enabled, **extra})
+        assert req.reasoning is False and req.reasoning_budget is None
+    assert translated({**enabled, "tools": [WEATHER_TOOL]}).reasoning is True
+    with pytest.raises(InvalidRequest) as info:
+        translated({"thinking": {"type": "enabled", "budget_tokens": 0}})
+    assert info.value.param == "thinking.budget_tokens"
+    # count_tokens sees the same decision (the thinking switch changes the rendered prompt)
+    assert translated(enabled, count=True).reasoning is True
+
+
+def test_history_reasoning_and_tool_results() -> None:
+    req = translated(
+        {
+            "tools": [WEATHER_TOOL],
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "first", "signature": "s"},
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "Let me look."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}},
+                        {"type": "thinking", "thinking": "second", "signature": "s"},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [
+                                {"type": "text", "text": "a"},
+                                {"type": "text", "text": "b"},
+                            ],
+                        },
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": "boom",
+                            "is_error": True,
+                        },
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True},
+                        {"type": "text", "text": "go on"},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "x"},
+                    ],
+                },
+                {"role": "user", "content": "more"},
+            ],
+        }
+    )
+    got = [(m.role, m.content, m.reasoning, m.name) for m in req.messages]
+    assert got == [
+        ("user", "q", None, None),
+        ("assistant", "Let me look.", "first\n\nsecond", None),
+        ("tool", "a\nb", None, "get_weather"),
+        ("tool", "Error: boom", None, "get_weather"),
+        ("tool", "Error", None, "get_weather"),
+        ("user", "go on", None, None),
+        ("assistant", "x", None, None),  # redacted thinking has no text to replay
+        ("user", "more", None, None),
+    ]
+
+
+def test_stop_sequences_need_stop_strings() -> None:
+    with pytest.raises(Unsupported) as info:
+        translated({"stop_sequences": ["END"]}, Capabilities(stop_strings=False))
+    assert info.value.status == 501 and "stop_sequences" in info.value.message
+
+
+def test_message_start_reports_the_counted_prompt() -> None:
+    def start_usage(encoder: MessageStreamEncoder) -> Any:
+        frame = encoder.start().decode()
+        return json.loads(frame.split("data: ", 1)[1])["message"]["usage"]
+
+    assert start_usage(MessageStreamEncoder("msg_1", "m", input_tokens=42))["input_tokens"] == 42
+    assert start_usage(MessageStreamEncoder("msg_1", "m"))["input_tokens"] == 0

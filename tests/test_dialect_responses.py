@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from httpx_sse import connect_sse
+
+from lmserve_core.backend import Capabilities
+from lmserve_core.dialects.responses import translate
+from lmserve_core.dialects.responses_models import ResponsesRequest
+from lmserve_core.errors import InvalidRequest, Unsupported
+from lmserve_core.request import ToolChoiceMode
+from lmserve_core.tools import HERMES
 
 API_KEY = "test-key"  # the key the conftest servers are started with
 
@@ -136,21 +145,21 @@ def test_max_output_tokens_incomplete(openai_client: openai.OpenAI) -> None:
     assert resp.usage is not None and resp.usage.output_tokens == 5
 
 
-def test_json_schema_format_accepted(openai_client: openai.OpenAI) -> None:
+def test_json_schema_format_reaches_backend(openai_client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     resp = openai_client.responses.create(
         model=MODEL,
-        input='#reply:{"a": 1}',
-        text={
-            "format": {
-                "type": "json_schema",
-                "name": "thing",
-                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
-                "strict": True,
-            }
-        },
+        input="#echo",
+        text={"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}},
     )
-    assert json.loads(resp.output_text) == {"a": 1}
+    constraint = json.loads(resp.output_text)["constraint"]
+    assert constraint["kind"] == "json_schema" and constraint["name"] == "thing"
+    assert json.loads(constraint["source"]) == schema
     assert resp.text is not None and resp.text.format.type == "json_schema"
+    resp = openai_client.responses.create(
+        model=MODEL, input="#echo", text={"format": {"type": "json_object"}}
+    )
+    assert json.loads(resp.output_text)["constraint"]["kind"] == "json_object"
 
 
 def test_parse_with_pydantic_format(openai_client: openai.OpenAI) -> None:
@@ -582,10 +591,12 @@ def test_plain_backend(start_server: Any) -> None:
         )
         assert [item.type for item in resp.output] == ["message"]
         assert resp.output_text == "plain"
-        with pytest.raises(openai.BadRequestError) as err:
+        # a forced call is a grammar: without constrained decoding it is a 501
+        with pytest.raises(openai.APIStatusError) as err:
             client.responses.create(
                 model=MODEL, input="hi", tools=[WEATHER_TOOL], tool_choice="required"
             )
+        assert err.value.status_code == 501
         assert err.value.body["param"] == "tool_choice"  # type: ignore[index]
         with pytest.raises(openai.APIStatusError) as status_err:
             client.responses.create(
@@ -593,3 +604,161 @@ def test_plain_backend(start_server: Any) -> None:
             )
         assert status_err.value.status_code == 501
         assert status_err.value.body["param"] == "text.format"  # type: ignore[index]
+
+
+# -- the capability policy, through the translator ---------------------------------------
+
+ALL_CAPS = Capabilities(grammar=True, reasoning=True, tools=HERMES)
+GRAMMAR_ONLY = Capabilities(grammar=True)  # constrained decoding, no tool convention
+FORCED_CHOICES: list[Any] = [
+    "required",
+    {"type": "function", "name": "get_weather"},
+    {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_weather"}],
+    },
+]
+
+
+def translated(body: dict[str, Any], caps: Capabilities = ALL_CAPS) -> Any:
+    server: Any = SimpleNamespace(
+        backend=SimpleNamespace(capabilities=caps), ctx=4096, model_id="m"
+    )
+    return translate(msgspec.convert({"input": "x", **body}, ResponsesRequest), server).normalized
+
+
+@pytest.mark.parametrize("choice", FORCED_CHOICES)
+def test_forced_call_without_a_convention_is_accepted_with_grammar(choice: Any) -> None:
+    req = translated({"tools": [WEATHER_TOOL], "tool_choice": choice}, GRAMMAR_ONLY)
+    assert [t.name for t in req.tools] == ["get_weather"]
+    assert req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    # under auto the same tools are dropped: nothing in a free reply reads as a call
+    assert translated({"tools": [WEATHER_TOOL]}, GRAMMAR_ONLY).tools == []
+
+
+@pytest.mark.parametrize("caps", [Capabilities(tools=HERMES), Capabilities()])
+@pytest.mark.parametrize("choice", FORCED_CHOICES)
+def test_forced_call_needs_grammar(caps: Capabilities, choice: Any) -> None:
+    with pytest.raises(Unsupported) as info:
+        translated({"tools": [WEATHER_TOOL], "tool_choice": choice}, caps)
+    assert info.value.status == 501 and info.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [({"text": {"format": {"type": "json_object"}}}, "text.format"), ({"regex": "a"}, "regex")],
+)
+def test_forced_call_excludes_a_constraint(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        translated({"tools": [WEATHER_TOOL], "tool_choice": "required", **extra})
+    assert info.value.status == 400 and info.value.param == "tool_choice"
+    assert f"'{field}'" in info.value.message
+
+
+def test_tool_choice_none_hides_the_tools_and_parallel_maps() -> None:
+    req = translated({"tools": [WEATHER_TOOL], "tool_choice": "none"})
+    assert req.tools == [] and req.tool_choice.mode is ToolChoiceMode.NONE
+    assert translated({"tools": [WEATHER_TOOL]}).parallel_tool_calls is True
+    req = translated({"tools": [WEATHER_TOOL], "parallel_tool_calls": False})
+    assert req.parallel_tool_calls is False and len(req.tools) == 1
+
+
+def test_allowed_tools_must_name_declared_tools() -> None:
+    choice = {
+        "type": "allowed_tools",
+        "mode": "auto",
+        "tools": [{"type": "function", "name": "nope"}],
+    }
+    with pytest.raises(InvalidRequest) as info:
+        translated({"tools": [WEATHER_TOOL], "tool_choice": choice})
+    assert info.value.param == "tool_choice" and "'nope'" in info.value.message
+
+
+def test_reasoning_effort_mapping() -> None:
+    assert translated({}).reasoning is False
+    for effort, on in (("none", False), ("minimal", False), ("low", True), ("xhigh", True)):
+        assert translated({"reasoning": {"effort": effort}}).reasoning is on
+    # a no-op without a reasoning channel (agents send an effort on every request)
+    assert translated({"reasoning": {"effort": "high"}}, Capabilities()).reasoning is False
+    with pytest.raises(InvalidRequest) as info:
+        translated({"reasoning": {"effort": "extreme"}})
+    assert info.value.param == "reasoning.effort"
+    # a constraint or a forced call governs the reply from its first token
+    high = {"reasoning": {"effort": "high"}}
+    assert translated({**high, "text": {"format": {"type": "json_object"}}}).reasoning is False
+    assert (
+        translated({**high, "tools": [WEATHER_TOOL], "tool_choice": "required"}).reasoning is False
+    )
+    assert translated({**high, "tools": [WEATHER_TOOL]}).reasoning is True
+    assert translated(high).reasoning_budget is None  # no budget field in this dialect
+
+
+def test_replayed_reasoning_items_become_the_turn_reasoning() -> None:
+    req = translated(
+        {
+            "input": [
+                {"role": "user", "content": "q"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [{"type": "summary_text", "text": "a summary"}],
+                    "content": [{"type": "reasoning_text", "text": "first thought"}],
+                },
+                {"type": "message", "role": "assistant", "content": "Checking."},
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "get_weather",
+                    "arguments": "{}",
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "opaque"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_3",
+                    "content": [{"type": "reasoning_text", "text": "second"}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "c2",
+                    "name": "get_weather",
+                    "arguments": "{}",
+                },
+                {"type": "function_call_output", "call_id": "c2", "output": "windy"},
+                {"role": "user", "content": "and now?"},
+            ]
+        }
+    )
+    roles = [(m.role, m.reasoning, [c.id for c in m.tool_calls]) for m in req.messages]
+    assert roles == [
+        ("user", None, []),
+        ("assistant", "first thought", ["c1"]),
+        ("tool", None, []),
+        ("assistant", "second", ["c2"]),  # encrypted-only reasoning carries no text
+        ("tool", None, []),
+        ("user", None, []),
+    ]
+
+
+def test_replayed_reasoning_reaches_backend(openai_client: openai.OpenAI) -> None:
+    resp = openai_client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "q"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "mulling"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "a"}],
+            },
+            {"role": "user", "content": "#echo"},
+        ],
+    )
+    messages = json.loads(resp.output_text)["messages"]
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "mulling"}

@@ -14,7 +14,7 @@ from litestar import MediaType, Request, Response, post
 from litestar.params import JSONBody
 
 from ..backend import Capabilities
-from ..errors import InvalidRequest, Unsupported
+from ..errors import InvalidRequest
 from ..request import (
     Constraint,
     Message,
@@ -26,6 +26,7 @@ from ..request import (
     ToolChoiceMode,
 )
 from ..server import Server, ServerDep
+from . import policy
 from .anthropic_encoder import MessageStreamEncoder, message_body
 from .anthropic_models import (
     ContentBlock,
@@ -68,7 +69,7 @@ def _unsupported_block(block: Any, where: str) -> InvalidRequest:
     kind = _block_type(block)
     return InvalidRequest(
         f"content block type '{kind}' is not supported by this server ({where}); "
-        "only text, tool_use and tool_result blocks are accepted",
+        "only text, thinking, tool_use and tool_result blocks are accepted",
         param=where,
     )
 
@@ -119,6 +120,7 @@ def _translate_messages(
             continue
         if msg.role == "assistant":
             text: list[str] = []
+            thinking: list[str] = []
             calls: list[ToolCall] = []
             for j, block in enumerate(blocks):
                 if isinstance(block, TextBlock):
@@ -127,13 +129,25 @@ def _translate_messages(
                     arguments = block.input if block.input is not None else {}
                     calls.append(ToolCall(block.id, block.name, json_text(arguments)))
                     call_names[block.id] = block.name
-                elif isinstance(block, ThinkingBlock | RedactedThinkingBlock):
-                    continue  # earlier turns' reasoning is not replayed to the model
+                elif isinstance(block, ThinkingBlock):
+                    # the turn's reasoning: the family's chat template decides whether to
+                    # render it (Qwen3's does after the last user query, i.e. in a tool loop)
+                    if block.thinking:
+                        thinking.append(block.thinking)
+                elif isinstance(block, RedactedThinkingBlock):
+                    continue  # encrypted by Anthropic: no text to replay
                 else:
                     raise _unsupported_block(block, f"messages[{i}].content[{j}]")
             # joined as generated, so the rendered history matches the tokens the model
             # produced (KV slot reuse compares token prefixes)
-            out.append(Message("assistant", "".join(text), tool_calls=calls))
+            out.append(
+                Message(
+                    "assistant",
+                    "".join(text),
+                    reasoning="\n\n".join(thinking) if thinking else None,
+                    tool_calls=calls,
+                )
+            )
             continue
         # a user turn: tool results become tool turns, in order, around the user's text
         pending: list[str] = []
@@ -161,7 +175,7 @@ def _translate_messages(
     return system, out
 
 
-def _translate_tools(body: CountTokensRequest, caps: Capabilities) -> tuple[list[Tool], ToolChoice]:
+def _tool_ask(body: CountTokensRequest) -> policy.ToolAsk:
     custom: list[ToolDefinition] = []
     hosted: list[str] = []
     for i, tool in enumerate(body.tools or []):
@@ -178,50 +192,6 @@ def _translate_tools(body: CountTokensRequest, caps: Capabilities) -> tuple[list
         # server-side tools run on Anthropic's infrastructure; the rest of the request
         # is still servable, so clients that always declare them keep working
         log.warning("hosted_tools_dropped", types=hosted)
-
-    choice = body.tool_choice
-    mode = ToolChoiceMode.AUTO
-    name: str | None = None
-    if choice is not None:
-        if choice.type == "none":
-            mode = ToolChoiceMode.NONE
-        elif choice.type == "any":
-            mode = ToolChoiceMode.REQUIRED
-        elif choice.type == "tool":
-            mode = ToolChoiceMode.NAMED
-            if not choice.name:
-                raise InvalidRequest(
-                    "'tool_choice.name' is required when tool_choice.type is 'tool'",
-                    param="tool_choice.name",
-                )
-            if choice.name not in {t.name for t in custom}:
-                raise InvalidRequest(
-                    f"'tool_choice.name' names '{choice.name}', which is not a declared "
-                    "custom tool",
-                    param="tool_choice.name",
-                )
-            name = choice.name
-    forced = mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
-
-    if forced and not custom:
-        raise InvalidRequest(
-            "'tool_choice' forces a tool call but no custom tool is declared",
-            param="tool_choice",
-        )
-    if custom and caps.tool_style == "none":
-        if forced:
-            raise InvalidRequest(
-                "'tool_choice' forces a tool call, but this model has no tool-calling convention",
-                param="tool_choice",
-            )
-        log.warning("tools_dropped", reason="backend has no tool convention", count=len(custom))
-        return [], ToolChoice()
-    if forced and not caps.grammar:
-        raise Unsupported(
-            "'tool_choice' forcing a tool call needs constrained decoding, which this "
-            "backend lacks",
-            param="tool_choice",
-        )
     tools = [
         Tool(
             name=t.name,
@@ -232,10 +202,25 @@ def _translate_tools(body: CountTokensRequest, caps: Capabilities) -> tuple[list
         )
         for t in custom
     ]
-    return tools, ToolChoice(mode, name)
+    choice = body.tool_choice
+    if choice is None:
+        return policy.ToolAsk(tools, ToolChoice())
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest(
+                "'tool_choice.name' is required when tool_choice.type is 'tool'",
+                param="tool_choice.name",
+            )
+        name = policy.declared_tool(choice.name, tools, "tool_choice.name").name
+        return policy.ToolAsk(tools, ToolChoice(ToolChoiceMode.NAMED, name), parallel)
+    mode = {"auto": ToolChoiceMode.AUTO, "any": ToolChoiceMode.REQUIRED}.get(
+        choice.type, ToolChoiceMode.NONE
+    )
+    return policy.ToolAsk(tools, ToolChoice(mode), parallel)
 
 
-def _constraint(body: CountTokensRequest, caps: Capabilities) -> Constraint | None:
+def _constraint_sources(body: CountTokensRequest) -> list[tuple[str, Constraint]]:
     fmt: OutputFormat | None = None
     field = "output_config.format"
     if body.output_config is not None and body.output_config.format is not None:
@@ -243,30 +228,33 @@ def _constraint(body: CountTokensRequest, caps: Capabilities) -> Constraint | No
     elif body.output_format is not None:
         fmt, field = body.output_format, "output_format"
     if fmt is None:
-        return None
+        return []
     if fmt.type != "json_schema":
         raise InvalidRequest(
             f"'{field}.type' must be 'json_schema' (got '{fmt.type}')", param=f"{field}.type"
         )
     if not isinstance(fmt.schema, dict):
         raise InvalidRequest(f"'{field}.schema' is required", param=f"{field}.schema")
-    if not caps.grammar:
-        raise Unsupported(
-            f"'{field}' needs constrained decoding, which this backend lacks", param=field
-        )
-    return Constraint("json_schema", json_text(fmt.schema))
+    return [(field, Constraint("json_schema", json_text(fmt.schema)))]
 
 
-def _thinking(body: CountTokensRequest) -> bool:
-    if body.thinking is None:
-        return False
-    if body.thinking.type not in THINKING_TYPES:
+def _reasoning_ask(body: CountTokensRequest) -> policy.ReasoningAsk:
+    thinking = body.thinking
+    if thinking is None:
+        return policy.ReasoningAsk(False, "thinking")
+    if thinking.type not in THINKING_TYPES:
         raise InvalidRequest(
-            f"'thinking.type' must be one of {', '.join(THINKING_TYPES)} "
-            f"(got '{body.thinking.type}')",
+            f"'thinking.type' must be one of {', '.join(THINKING_TYPES)} (got '{thinking.type}')",
             param="thinking.type",
         )
-    return THINKING_TYPES[body.thinking.type]
+    budget = thinking.budget_tokens
+    if budget is not None and budget < 1:
+        raise InvalidRequest(
+            "'thinking.budget_tokens' must be a positive integer", param="thinking.budget_tokens"
+        )
+    # not strict: without a reasoning channel thinking is a no-op, so thinking-by-default
+    # clients stay usable
+    return policy.ReasoningAsk(THINKING_TYPES[thinking.type], "thinking", budget=budget)
 
 
 def _unit_interval(value: float | None, name: str) -> float | None:
@@ -284,30 +272,18 @@ def translate(body: CountTokensRequest, server: Server) -> NormalizedRequest:
             "'messages' must contain at least one user or assistant turn", param="messages"
         )
     if system:
-        if not caps.system_role:
-            raise InvalidRequest("'system' is not supported by this model", param="system")
+        policy.check_system_role("system", caps)
         messages.insert(0, Message("system", "\n\n".join(system)))
-    tools, tool_choice = _translate_tools(body, caps)
-    constraint = _constraint(body, caps)
-    forced = tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
-    if constraint is not None and forced:
-        raise InvalidRequest(
-            "'output_config.format' cannot be combined with a forced 'tool_choice'",
-            param="output_config.format",
-        )
-    # a grammar governs the reply from its first token, so it leaves no room for reasoning;
-    # without a reasoning channel, thinking is a no-op (thinking-by-default clients work)
-    reasoning = _thinking(body) and caps.reasoning and constraint is None and not forced
-    normalized = NormalizedRequest(
-        id=new_id("msg_"),
-        dialect="messages",
-        messages=messages,
-        tools=tools,
-        tool_choice=tool_choice,
-        constraint=constraint,
-        reasoning=reasoning,
-        model=body.model,
+    decision = policy.decide(
+        caps,
+        tools=_tool_ask(body),
+        constraints=_constraint_sources(body),
+        reasoning=_reasoning_ask(body),
     )
+    normalized = NormalizedRequest(
+        id=new_id("msg_"), dialect="messages", messages=messages, model=body.model
+    )
+    decision.apply(normalized)
     if isinstance(body, MessagesRequest):
         _apply_generation_fields(body, normalized, server, caps)
     return normalized
@@ -327,10 +303,7 @@ def _apply_generation_fields(
         top_k=body.top_k,
     )
     normalized.stop = check_stop(body.stop_sequences, "stop_sequences")
-    if normalized.stop and not caps.stop_strings:
-        raise InvalidRequest(
-            "'stop_sequences' is not supported by this model", param="stop_sequences"
-        )
+    policy.check_stop_strings(normalized.stop, "stop_sequences", caps)
     if body.container:
         raise InvalidRequest(
             "'container' is not supported (no code-execution containers)", param="container"
@@ -359,7 +332,8 @@ async def create_message(
         )
 
     stream, head = await open_stream(server.engine, normalized)
-    encoder = MessageStreamEncoder(msg_id, server.model_id)
+    # open_stream ran the backend's validate, which counted the prompt
+    encoder = MessageStreamEncoder(msg_id, server.model_id, input_tokens=normalized.prompt_tokens)
 
     async def frames() -> AsyncIterator[bytes]:
         yield encoder.start()

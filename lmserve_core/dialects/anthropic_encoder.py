@@ -97,9 +97,11 @@ class MessageStreamEncoder:
     increase from 0 in the order content was produced (thinking, text, tool_use ...).
     """
 
-    def __init__(self, msg_id: str, model: str) -> None:
+    def __init__(self, msg_id: str, model: str, *, input_tokens: int | None = None) -> None:
         self.msg_id = msg_id
         self.model = model
+        # the prompt's tokens as the backend's validate counted them (None: not counted)
+        self.input_tokens = input_tokens or 0
         self.index = -1
         self.open_kind: str | None = None  # "thinking" | "text" while a block is open
         self.called_tool = False
@@ -114,8 +116,9 @@ class MessageStreamEncoder:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            # prompt tokens are only known once generation finishes (message_delta)
-            "usage": usage_body(Usage()),
+            # Known before generation; which of them the KV cache serves is decided when
+            # generation starts, so cache reads are reported by message_delta.
+            "usage": usage_body(Usage(prompt_tokens=self.input_tokens)),
         }
         return sse_event("message_start", {"type": "message_start", "message": message})
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import structlog
-
 from ..backend import Capabilities
 from ..errors import InvalidRequest, Unsupported
 from ..request import (
@@ -24,6 +22,7 @@ from ..request import (
     ToolChoice,
     ToolChoiceMode,
 )
+from . import policy
 from .common import bounded_max_tokens, check_stop, json_text, reject
 from .openai_chat_models import (
     ChatCompletionRequest,
@@ -33,8 +32,6 @@ from .openai_chat_models import (
     ToolChoiceObject,
 )
 
-log = structlog.get_logger("lmserve.http")
-
 _ROLES: dict[str, Role] = {
     "system": "system",
     "developer": "system",
@@ -42,8 +39,6 @@ _ROLES: dict[str, Role] = {
     "assistant": "assistant",
     "tool": "tool",
 }
-_EFFORT_OFF = {"none", "minimal"}
-_EFFORT_ON = {"low", "medium", "high", "xhigh", "max"}
 _UNSUPPORTED_PARTS = {
     "image_url": "image content is not supported",
     "input_image": "image content is not supported",
@@ -100,17 +95,13 @@ def check_common_rejections(body: SamplingFields) -> None:
 
 def stop_from(body: SamplingFields, caps: Capabilities) -> list[str]:
     stop = check_stop(body.stop)
-    if stop and not caps.stop_strings:
-        raise Unsupported(
-            "'stop' is not supported by this model's backend",
-            param="stop",
-            code="unsupported_parameter",
-        )
+    policy.check_stop_strings(stop, "stop", caps)
     return stop
 
 
-def constraint_from(body: SamplingFields, caps: Capabilities) -> Constraint | None:
-    """The one constraint source of a request: response_format, regex or lark."""
+def constraint_sources(body: SamplingFields) -> list[tuple[str, Constraint]]:
+    """The output constraints a request spells (response_format, regex, lark), each with
+    its field; ``policy.pick_constraint`` allows one."""
     sources: list[tuple[str, Constraint]] = []
     fmt = body.response_format
     if fmt is not None:
@@ -148,22 +139,12 @@ def constraint_from(body: SamplingFields, caps: Capabilities) -> Constraint | No
         if not value:
             raise InvalidRequest(f"'{name}' must be a non-empty string", param=name)
         sources.append((name, Constraint(name, value)))  # type: ignore[arg-type]
-    if not sources:
-        return None
-    if len(sources) > 1:
-        names = ", ".join(name for name, _ in sources)
-        raise InvalidRequest(
-            f"'{sources[1][0]}': at most one constraint per request ({names} given)",
-            param=sources[1][0],
-        )
-    name, constraint = sources[0]
-    if not caps.grammar:
-        raise Unsupported(
-            f"'{name}' needs constrained decoding, which this server's backend lacks",
-            param=name,
-            code="unsupported_parameter",
-        )
-    return constraint
+    return sources
+
+
+def _one_constraint(body: SamplingFields, caps: Capabilities) -> Constraint | None:
+    picked = policy.pick_constraint(constraint_sources(body), caps)
+    return picked[1] if picked is not None else None
 
 
 # -- chat messages -----------------------------------------------------------------------
@@ -221,10 +202,8 @@ def messages_from(raw: list[ChatMessage], caps: Capabilities) -> list[Message]:
                 else f"{msg.role!r} is not a valid role (system, developer, user, assistant, tool)"
             )
             raise InvalidRequest(f"'messages[{i}].role': {why}", param=f"messages[{i}].role")
-        if role == "system" and not caps.system_role:
-            raise InvalidRequest(
-                f"'messages[{i}].role': this model has no system role", param=f"messages[{i}].role"
-            )
+        if role == "system":
+            policy.check_system_role(f"messages[{i}].role", caps)
         if msg.function_call is not None:
             raise reject(f"messages[{i}].function_call", "(legacy functions API) is not supported")
         if msg.audio is not None:
@@ -264,16 +243,6 @@ def messages_from(raw: list[ChatMessage], caps: Capabilities) -> list[Message]:
 # -- tools -----------------------------------------------------------------------------
 
 
-def _declared(name: str, tools: list[Tool]) -> Tool:
-    for tool in tools:
-        if tool.name == name:
-            return tool
-    raise InvalidRequest(
-        f"'tool_choice' names {name!r}, which is not among the declared tools",
-        param="tool_choice",
-    )
-
-
 def _allowed_tools(value: ToolChoiceObject, tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
     """``{type: allowed_tools, allowed_tools: {mode, tools}}`` narrows the declared tools."""
     allowed = value.allowed_tools
@@ -289,11 +258,9 @@ def _allowed_tools(value: ToolChoiceObject, tools: list[Tool]) -> tuple[ToolChoi
         if ref.get("type") != "function" or not isinstance(name, str):
             raise reject("tool_choice", "may only allow function tools ({type, function: {name}})")
         names.append(name)
-    narrowed = [_declared(name, tools) for name in dict.fromkeys(names)]
+    narrowed = [policy.declared_tool(name, tools, "tool_choice") for name in dict.fromkeys(names)]
     if allowed.mode == "auto":
         return ToolChoice(), narrowed
-    if not narrowed:
-        raise InvalidRequest("'tool_choice' requires a tool but allows none", param="tool_choice")
     if len(narrowed) == 1:
         return ToolChoice(ToolChoiceMode.NAMED, narrowed[0].name), narrowed
     return ToolChoice(ToolChoiceMode.REQUIRED), narrowed
@@ -311,17 +278,12 @@ def _tool_choice_from(
                 f"'tool_choice' must be auto, none, required or a function object, not {value!r}",
                 param="tool_choice",
             )
-        mode = ToolChoiceMode(value)
-        if mode is ToolChoiceMode.REQUIRED and not tools:
-            raise InvalidRequest(
-                "'tool_choice' is required but no tools were given", param="tool_choice"
-            )
-        return ToolChoice(mode), tools
+        return ToolChoice(ToolChoiceMode(value)), tools
     if value.type == "allowed_tools":
         return _allowed_tools(value, tools)
     if value.type != "function" or value.function is None:
         raise reject("tool_choice", f"of type {value.type!r} is not supported (only function)")
-    name = _declared(value.function.name, tools).name
+    name = policy.declared_tool(value.function.name, tools, "tool_choice").name
     return ToolChoice(ToolChoiceMode.NAMED, name), tools
 
 
@@ -348,61 +310,19 @@ def tools_from(body: ChatCompletionRequest) -> list[Tool]:
     return tools
 
 
-def _apply_tool_caps(
-    tools: list[Tool], choice: ToolChoice, constraint: Constraint | None, caps: Capabilities
-) -> list[Tool]:
-    forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
-    if caps.tool_style == "none":
-        if forced:
-            raise InvalidRequest(
-                "'tool_choice': this model has no tool-calling convention, so a tool call "
-                "cannot be forced",
-                param="tool_choice",
-            )
-        if tools:
-            # Tool-sending agents stay usable: the model answers as plain chat.
-            log.warning("tools_dropped", reason="backend has no tool convention", count=len(tools))
-        return []
-    if forced:
-        if constraint is not None:
-            raise InvalidRequest(
-                "'tool_choice': a forced tool call cannot be combined with response_format, "
-                "regex or lark",
-                param="tool_choice",
-            )
-        if not caps.grammar:
-            raise Unsupported(
-                "'tool_choice': forcing a tool call needs constrained decoding, which this "
-                "server's backend lacks",
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
-    return tools
-
-
 # -- whole requests ----------------------------------------------------------------------
 
 
-def _reasoning_on(effort: str | None, template_kwargs: dict[str, Any], caps: Capabilities) -> bool:
-    if effort is None:
-        # llama.cpp precedent: chat_template_kwargs.enable_thinking switches thinking too;
-        # a model without a reasoning mode simply has nothing to switch on.
-        return template_kwargs.get("enable_thinking") is True and caps.reasoning
-    if effort in _EFFORT_OFF:
-        return False
-    if effort not in _EFFORT_ON:
-        raise InvalidRequest(
-            "'reasoning_effort' must be none, minimal, low, medium, high, xhigh or max, "
-            f"not {effort!r}",
-            param="reasoning_effort",
-        )
-    if not caps.reasoning:
-        raise InvalidRequest(
-            f"'reasoning_effort' {effort!r}: this model has no reasoning mode "
-            "(use none or minimal)",
-            param="reasoning_effort",
-        )
-    return True
+def _reasoning_ask(effort: str | None, template_kwargs: dict[str, Any]) -> policy.ReasoningAsk:
+    # llama.cpp precedent: chat_template_kwargs.enable_thinking switches thinking too. It is
+    # taken out of the template's variables: the backend renders the policy's decision
+    # through its family's own switch, so a constraint that turns reasoning off wins.
+    thinking = template_kwargs.pop("enable_thinking", None)
+    switch = policy.effort_switch(effort, "reasoning_effort")
+    if switch is not None:
+        # an explicit effort promises reasoning: refused where there is none
+        return policy.ReasoningAsk(switch, "reasoning_effort", strict=True)
+    return policy.ReasoningAsk(thinking is True, "chat_template_kwargs.enable_thinking")
 
 
 def chat_request(
@@ -434,34 +354,29 @@ def chat_request(
     else:
         max_tokens = bounded_max_tokens(body.max_tokens, "max_tokens", ctx)
     stop = stop_from(body, caps)
-    constraint = constraint_from(body, caps)
-    tools = tools_from(body)
-    choice, tools = _tool_choice_from(body.tool_choice, tools)
-    tools = _apply_tool_caps(tools, choice, constraint, caps)
-    if not tools:
-        choice = ToolChoice()
+    choice, tools = _tool_choice_from(body.tool_choice, tools_from(body))
     template_kwargs = dict(body.chat_template_kwargs or {})
-    reasoning = _reasoning_on(body.reasoning_effort, template_kwargs, caps)
-    forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    decision = policy.decide(
+        caps,
+        tools=policy.ToolAsk(tools, choice, parallel=body.parallel_tool_calls is not False),
+        constraints=constraint_sources(body),
+        reasoning=_reasoning_ask(body.reasoning_effort, template_kwargs),
+    )
     stream = bool(body.stream)
-    return NormalizedRequest(
+    request = NormalizedRequest(
         id=request_id,
         dialect="chat",
         messages=messages,
-        tools=tools,
-        tool_choice=choice,
         sampling=sampling,
         max_tokens=max_tokens,
         stop=stop,
-        constraint=constraint,
-        # A constraint governs the reply from its first token, so it leaves no room for a
-        # reasoning head.
-        reasoning=reasoning and constraint is None and not forced,
         stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
         template_kwargs=template_kwargs,
         model=body.model,
     )
+    decision.apply(request)
+    return request
 
 
 def completion_request(
@@ -499,7 +414,7 @@ def completion_request(
         sampling=sampling_from(body),
         max_tokens=bounded_max_tokens(body.max_tokens, "max_tokens", ctx),
         stop=stop_from(body, caps),
-        constraint=constraint_from(body, caps),
+        constraint=_one_constraint(body, caps),
         stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
         model=body.model,

@@ -29,6 +29,7 @@ from ..request import (
     ToolChoiceMode,
 )
 from ..server import Server, ServerDep
+from . import policy
 from .common import (
     bounded_max_tokens,
     check_stop,
@@ -53,8 +54,6 @@ ROLES: dict[str, Role] = {
     "system": "system",
     "developer": "system",
 }
-EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh"}
-REASONING_OFF = {"none", "minimal"}
 
 
 @dataclass(slots=True)
@@ -165,6 +164,8 @@ def _messages(body: ResponsesRequest) -> list[Message]:
         messages.append(Message("user", body.input))
         return messages
     call_names: dict[str, str] = {}
+    # A replayed reasoning item opens the assistant turn whose message and calls follow it.
+    reasoning: str | None = None
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         kind = item.get("type") or "message"
@@ -176,16 +177,21 @@ def _messages(body: ResponsesRequest) -> list[Message]:
                     param=f"{where}.role",
                 )
             text = _parts_text(item.get("content"), f"{where}.content")
-            messages.append(Message(ROLES[role], text))
+            if ROLES[role] == "assistant":
+                messages.append(Message("assistant", text, reasoning=reasoning))
+            else:
+                messages.append(Message(ROLES[role], text))
+            reasoning = None
         elif kind == "function_call":
             call = _function_call(item, where)
             call_names[call.id] = call.name
             last = messages[-1] if messages else None
             # the calls of one turn follow its message item; they belong to that turn
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and reasoning is None:
                 last.tool_calls.append(call)
             else:
-                messages.append(Message("assistant", "", tool_calls=[call]))
+                messages.append(Message("assistant", "", reasoning=reasoning, tool_calls=[call]))
+            reasoning = None
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -195,8 +201,13 @@ def _messages(body: ResponsesRequest) -> list[Message]:
             messages.append(
                 Message("tool", text, tool_call_id=call_id, name=call_names.get(call_id))
             )
+            reasoning = None
         elif kind == "reasoning":
-            continue  # replayed reasoning: the templates drop earlier turns' reasoning anyway
+            # the family's chat template decides whether an earlier turn's reasoning is
+            # rendered; encrypted_content and summaries carry nothing it could use
+            text = _reasoning_text(item.get("content"))
+            if text:
+                reasoning = text if reasoning is None else reasoning + "\n\n" + text
         elif kind == "item_reference":
             raise reject(
                 where, "is an item_reference; the server stores no items, send the item itself"
@@ -208,17 +219,28 @@ def _messages(body: ResponsesRequest) -> list[Message]:
     return messages
 
 
-def _check_no_system(body: ResponsesRequest) -> None:
+def _reasoning_text(content: Any) -> str:
+    """The text of a reasoning item's ``reasoning_text`` parts."""
+    if not isinstance(content, list):
+        return ""
+    return "\n".join(
+        part["text"]
+        for part in content
+        if isinstance(part, dict)
+        and part.get("type") == "reasoning_text"
+        and isinstance(part.get("text"), str)
+    )
+
+
+def _check_system_role(body: ResponsesRequest, caps: Capabilities) -> None:
     if body.instructions:
-        raise InvalidRequest("'instructions': this model has no system role", param="instructions")
+        policy.check_system_role("instructions", caps)
     for i, item in enumerate(body.input if isinstance(body.input, list) else []):
         if (item.get("type") or "message") == "message" and item.get("role") in (
             "system",
             "developer",
         ):
-            raise InvalidRequest(
-                f"'input[{i}].role': this model has no system role", param=f"input[{i}].role"
-            )
+            policy.check_system_role(f"input[{i}].role", caps)
 
 
 def _function_call(item: dict[str, Any], where: str) -> ToolCall:
@@ -275,24 +297,14 @@ def _tool_choice(body: ResponsesRequest, tools: list[Tool]) -> tuple[ToolChoice,
     if choice == "none":
         return ToolChoice(ToolChoiceMode.NONE), tools
     if choice == "required":
-        if not tools:
-            raise InvalidRequest(
-                "tool_choice 'required' needs a function tool", param="tool_choice"
-            )
         return ToolChoice(ToolChoiceMode.REQUIRED), tools
     if isinstance(choice, str):
         raise InvalidRequest(
             "'tool_choice' must be auto, none, required or a function", param="tool_choice"
         )
-    names = {tool.name for tool in tools}
     kind = choice.get("type")
     if kind == "function":
-        name = choice.get("name")
-        if name not in names:
-            raise InvalidRequest(
-                f"tool_choice names function {name!r}, which is not among the tools",
-                param="tool_choice",
-            )
+        name = policy.declared_tool(str(choice.get("name")), tools, "tool_choice").name
         return ToolChoice(ToolChoiceMode.NAMED, name), tools
     if kind == "allowed_tools":
         return _allowed_tools(choice, tools)
@@ -302,19 +314,17 @@ def _tool_choice(body: ResponsesRequest, tools: list[Tool]) -> tuple[ToolChoice,
 
 
 def _allowed_tools(choice: dict[str, Any], tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
-    allowed: set[str] = set()
+    allowed: list[str] = []
     for entry in choice.get("tools") or []:
         if not isinstance(entry, dict) or entry.get("type") != "function":
             kind = entry.get("type") if isinstance(entry, dict) else entry
             raise reject(
                 "tool_choice", f"allows the hosted tool type {kind!r}, which this server cannot run"
             )
-        allowed.add(str(entry.get("name")))
-    kept = [tool for tool in tools if tool.name in allowed]
+        allowed.append(str(entry.get("name")))
+    kept = [policy.declared_tool(name, tools, "tool_choice") for name in dict.fromkeys(allowed)]
     mode = choice.get("mode", "auto")
     if mode == "required":
-        if not kept:
-            raise InvalidRequest("tool_choice allows no declared function", param="tool_choice")
         if len(kept) == 1:
             return ToolChoice(ToolChoiceMode.NAMED, kept[0].name), kept
         return ToolChoice(ToolChoiceMode.REQUIRED), kept
@@ -323,37 +333,10 @@ def _allowed_tools(choice: dict[str, Any], tools: list[Tool]) -> tuple[ToolChoic
     return ToolChoice(), kept
 
 
-def _tools(body: ResponsesRequest, caps: Capabilities) -> tuple[list[Tool], ToolChoice]:
-    tools = _function_tools(body)
-    choice, tools = _tool_choice(body, tools)
-    forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
-    if caps.tool_style == "none":
-        if forced:
-            raise reject(
-                "tool_choice", "forces a tool call, but this model has no tool-call convention"
-            )
-        if tools:
-            # the model answers as plain chat, which keeps tool-sending clients usable
-            log.warning(
-                "tools_dropped",
-                reason="backend has no tool convention",
-                tools=[tool.name for tool in tools],
-            )
-        return [], ToolChoice()
-    if forced and not caps.grammar:
-        raise reject(
-            "tool_choice",
-            "forces a tool call, which needs constrained decoding; "
-            "this server was built without it",
-            status=501,
-        )
-    return tools, choice
-
-
 # -- output constraints and reasoning ------------------------------------------------------
 
 
-def _constraint(body: ResponsesRequest, caps: Capabilities) -> Constraint | None:
+def _constraint_sources(body: ResponsesRequest) -> list[tuple[str, Constraint]]:
     found: list[tuple[str, Constraint]] = []
     fmt = body.text.format if body.text is not None else None
     if fmt is not None:
@@ -380,32 +363,15 @@ def _constraint(body: ResponsesRequest, caps: Capabilities) -> Constraint | None
         found.append(("regex", Constraint("regex", body.regex)))
     if body.lark is not None:
         found.append(("lark", Constraint("lark", body.lark)))
-    if not found:
-        return None
-    if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
-        raise InvalidRequest(
-            f"only one output constraint per request ({names} given)", param=found[1][0]
-        )
-    name, constraint = found[0]
-    if not caps.grammar:
-        raise reject(
-            name, "needs constrained decoding; this server was built without it", status=501
-        )
-    return constraint
+    return found
 
 
-def _reasoning(body: ResponsesRequest, caps: Capabilities) -> bool:
+def _reasoning(body: ResponsesRequest) -> policy.ReasoningAsk:
     effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is None:
-        return False
-    if effort not in EFFORTS:
-        raise InvalidRequest(
-            f"'reasoning.effort' must be one of {', '.join(sorted(EFFORTS))}",
-            param="reasoning.effort",
-        )
-    # a no-op without a reasoning channel: agents send an effort on every request
-    return effort not in REASONING_OFF and caps.reasoning
+    # not strict: agents (Codex CLI) send an effort on every request, so on a backend
+    # without a reasoning channel it is a no-op
+    switch = policy.effort_switch(effort, "reasoning.effort")
+    return policy.ReasoningAsk(switch is True, "reasoning.effort")
 
 
 # -- translation ---------------------------------------------------------------------------
@@ -467,35 +433,30 @@ def translate(body: ResponsesRequest, server: Server) -> Translated:
     _check_rejected(body)
     sampling = _sampling(body)
     messages = _messages(body)
-    if not caps.system_role:
-        _check_no_system(body)
-    tools, choice = _tools(body, caps)
-    constraint = _constraint(body, caps)
-    if constraint is not None and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
-        raise InvalidRequest(
-            "a forced tool_choice cannot be combined with an output constraint", param="tool_choice"
-        )
+    _check_system_role(body, caps)
+    choice, tools = _tool_choice(body, _function_tools(body))
+    decision = policy.decide(
+        caps,
+        tools=policy.ToolAsk(tools, choice, parallel=body.parallel_tool_calls is not False),
+        constraints=_constraint_sources(body),
+        reasoning=_reasoning(body),
+    )
     stop = check_stop(body.stop)
-    if stop and not caps.stop_strings:
-        raise reject("stop", "is not supported by this model", status=501)
-    # a constraint governs the reply from its first token, so reasoning stays off
-    reasoning = _reasoning(body, caps) and constraint is None
+    policy.check_stop_strings(stop, "stop", caps)
     max_tokens = bounded_max_tokens(body.max_output_tokens, "max_output_tokens", server.ctx)
     response_id = new_id("resp_")
     normalized = NormalizedRequest(
         id=response_id,
         dialect="responses",
         messages=messages,
-        tools=tools,
-        tool_choice=choice,
         sampling=sampling,
         max_tokens=max_tokens,
         stop=stop,
-        constraint=constraint,
-        reasoning=reasoning,
         stream=bool(body.stream),
         model=body.model,
     )
+    decision.apply(normalized)
+    # the echo is the request's function tools, whatever this backend makes of them
     meta = ResponseMeta(id=response_id, model=server.model_id, echo=_echo(body, tools, max_tokens))
     return Translated(normalized, meta)
 
