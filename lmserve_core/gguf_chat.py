@@ -248,11 +248,10 @@ class GGUFChatBackend:
         """The constraint decoding follows and the convention that reads calls in the reply."""
         convention = self.capabilities.tools
         choice = request.tool_choice
-        forced = request.tools and choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
-        if not forced:
+        if not _forced(request):
             calls = convention if request.tools and choice.mode != ToolChoiceMode.NONE else None
             return request.constraint, calls
-        if request.constraint is not None:
+        if request.constraint is not None:  # the dialects' policy refuses this first
             raise InvalidRequest(
                 "a forced tool call cannot be combined with an output constraint",
                 param="tool_choice",
@@ -269,32 +268,36 @@ class GGUFChatBackend:
         return Constraint(kind="lark", source=grammar, name="tool_call"), convention
 
     def _render(self, request: NormalizedRequest) -> str:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = dict(request.template_kwargs)
         switch = self.conventions.thinking_switch
         if switch is not None:
+            # the decision the dialects and the grammar made; a template variable of the
+            # same name must not undo it
             kwargs[switch] = self._thinking(request)
-        kwargs.update(request.template_kwargs)
         hidden = request.tool_choice.mode == ToolChoiceMode.NONE
         tools = None if hidden else (tool_dicts(request.tools) or None)
-        return self.template.render(
-            message_dicts(request.messages),
-            tools=tools,
-            add_generation_prompt=True,
-            **kwargs,
-        )
+        messages = message_dicts(request.messages)
+        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
+        if tools and self.capabilities.tools is None and _forced(request):
+            # A family without a convention gets its forced call from a grammar; if its
+            # template ignores the declarations, they go into a system message instead, so
+            # the model knows what it is calling.
+            bare = self.template.render(messages, tools=None, add_generation_prompt=True, **kwargs)
+            if bare == text:
+                messages = _with_declarations(messages, tools)
+                text = self.template.render(
+                    messages, tools=None, add_generation_prompt=True, **kwargs
+                )
+        return text
 
     @staticmethod
     def _thinking(request: NormalizedRequest) -> bool:
         # A grammar (an output constraint or a forced call) governs the reply from its first
         # token: no reasoning head then.
-        forced = bool(request.tools) and request.tool_choice.mode in (
-            ToolChoiceMode.REQUIRED,
-            ToolChoiceMode.NAMED,
-        )
         return (
             bool(request.reasoning)
             and request.constraint is None
-            and not forced
+            and not _forced(request)
             and request.prompt is None
         )
 
@@ -449,6 +452,9 @@ class GGUFChatBackend:
             if out.push(decoder.push(tok)):
                 reason = "stop_sequence"
                 break
+            if out.calls and not request.parallel_tool_calls:
+                reason = "stop"  # one call per reply: the rest is not wanted
+                break
             if matcher is not None:
                 if not matcher.consume_token(tok):
                     raise RuntimeError(f"grammar rejected token {tok}: {matcher.get_error()}")
@@ -505,6 +511,32 @@ class GGUFChatBackend:
         for tid in ids:
             if not 0 <= int(tid) < n:
                 raise InvalidRequest(f"token id {tid} is outside the vocabulary [0, {n})")
+
+
+def _forced(request: NormalizedRequest) -> bool:
+    """True when the request forces a tool call (required, or a named tool)."""
+    return bool(request.tools) and request.tool_choice.mode in (
+        ToolChoiceMode.REQUIRED,
+        ToolChoiceMode.NAMED,
+    )
+
+
+def _with_declarations(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversation with the tool declarations and the call format in a system message
+    (joined to the first one when there is one)."""
+    lines = [
+        "You have these functions. Call one by replying with only a JSON object "
+        '{"name": <function-name>, "arguments": <arguments-object>}.'
+    ]
+    lines += [json.dumps(t["function"], ensure_ascii=False) for t in tools]
+    note = "\n".join(lines)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{note}".lstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
 
 
 class _Output:

@@ -634,3 +634,24 @@ def test_validate_records_the_prompt_token_count(gguf: GGUFFile) -> None:
     request = chat("Hello there")
     backend.validate(request)
     assert request.prompt_tokens == len(backend._prompt_tokens(request)[0]) > 3
+
+
+def test_one_call_per_reply_when_parallel_calls_are_off(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, CALL + "\n" + CALL.replace("Paris", "Rome") + " and more") + [IM_END]
+    backend = make_backend(gguf, script, capabilities=HERMES_CAPS)
+    finish, sink = run(backend, chat("Weather?", tools=[WEATHER], parallel_tool_calls=False))
+    assert finish.reason == "tool_calls"
+    assert [json.loads(c.arguments) for c in calls(sink)] == [{"city": "Paris"}]
+    check_shadow(backend)
+
+
+def test_forced_calls_declare_the_tools_when_the_template_does_not(gguf: GGUFFile) -> None:
+    # SmolLM2's template ignores `tools`; a forced call still tells the model what it calls.
+    backend = make_backend(gguf)
+    forced = chat("Weather?", tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))
+    prompt = backend.tokenizer.decode(backend._prompt_tokens(forced)[0])
+    assert '"name": "get_weather"' in prompt and '{"name": <function-name>' in prompt
+    assert prompt.count("<|im_start|>system") == 1  # joined to the template's system turn
+    plain = backend.tokenizer.decode(backend._prompt_tokens(chat("Weather?", tools=[WEATHER]))[0])
+    assert "get_weather" not in plain
