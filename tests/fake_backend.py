@@ -70,7 +70,12 @@ def _echo(request: NormalizedRequest) -> str:
         "prompt_tokens": request.prompt_tokens,
         "template_kwargs": request.template_kwargs,
         "messages": [
-            {"role": m.role, "content": m.content, "reasoning": m.reasoning}
+            {
+                "role": m.role,
+                "content": m.content,
+                "reasoning": m.reasoning,
+                "tool_calls": [c.name for c in m.tool_calls],
+            }
             for m in request.messages
         ],
     }

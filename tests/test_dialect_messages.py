@@ -274,11 +274,13 @@ def test_history_thinking_blocks_become_the_turn_reasoning(server: RunningServer
     response = post(server.base_url, body)
     assert response.status_code == 200, response.text
     messages = json.loads(response.json()["content"][0]["text"])["messages"]
-    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "old"}
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "old", "tool_calls": []}
     assert messages[0]["reasoning"] is None and messages[2]["reasoning"] is None
 
 
 def test_output_config_json_schema(anthropic_client: anthropic.Anthropic) -> None:
+    # The mapping only; the real model shows the constraint governs decoding
+    # (test_real_model_tools.py::test_constraint_forces_a_shape_...).
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     for extra in (
         {"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}}},

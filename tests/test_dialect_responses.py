@@ -490,6 +490,47 @@ def test_codex_shaped_tool_turn(server: Any) -> None:
     assert payloads[-1]["type"] == "response.completed"
 
 
+def test_namespace_tools_are_offered_and_called_by_namespace(server: Any) -> None:
+    # Codex CLI groups client-run tools in namespaces; the model sees them under flat names
+    # and a call comes back with its namespace and name apart, as Codex reads it.
+    body = codex_body()
+    body["tools"].append(
+        {
+            "type": "namespace",
+            "name": "agents",
+            "description": "Sub-agents.",
+            "tools": [
+                {"type": "function", "name": "spawn_agent", "description": "Spawn one.",
+                 "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}},
+                {"type": "web_search"},
+            ],
+        }
+    )
+    body["input"][-1]["content"][0]["text"] = (
+        '#echo #reply:Go. #tool:agents.spawn_agent:{"message":"hi"}'
+    )
+    payloads = decoded(raw_events(server.base_url, body))
+    done = [p["item"] for p in payloads if p["type"] == "response.output_item.done"]
+    calls = [item for item in done if item["type"] == "function_call"]
+    assert [(c["namespace"], c["name"]) for c in calls] == [("agents", "spawn_agent")]
+    args_done = [p for p in payloads if p["type"] == "response.function_call_arguments.done"]
+    assert args_done[0]["name"] == "spawn_agent"
+    # the backend saw the flat name among the tools
+    text = "".join(p.get("delta", "") for p in payloads if p["type"] == "response.output_text.delta")
+    assert "agents.spawn_agent" in text
+    # and a replayed call with its namespace maps back to the flat name
+    body["input"] += [
+        {k: calls[0][k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+        {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "ok"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "#echo"}]},
+    ]
+    payloads = decoded(raw_events(server.base_url, body))
+    text = "".join(p.get("delta", "") for p in payloads if p["type"] == "response.output_text.delta")
+    received = json.loads(text)
+    assert ["agents.spawn_agent"] in [m["tool_calls"] for m in received["messages"]]
+    assert payloads[-1]["type"] == "response.completed"
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -761,4 +802,4 @@ def test_replayed_reasoning_reaches_backend(openai_client: openai.OpenAI) -> Non
         ],
     )
     messages = json.loads(resp.output_text)["messages"]
-    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "mulling"}
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "mulling", "tool_calls": []}

@@ -249,6 +249,9 @@ def _function_call(item: dict[str, Any], where: str) -> ToolCall:
         raise InvalidRequest(f"'{where}.call_id' is required", param=f"{where}.call_id")
     if not isinstance(name, str) or not name:
         raise InvalidRequest(f"'{where}.name' is required", param=f"{where}.name")
+    namespace = item.get("namespace")
+    if isinstance(namespace, str) and namespace:
+        name = f"{namespace}{NAMESPACE_SEP}{name}"  # the flat name the model saw
     arguments = item.get("arguments", "{}")
     if not isinstance(arguments, str):
         arguments = json_text(arguments)
@@ -258,36 +261,65 @@ def _function_call(item: dict[str, Any], where: str) -> ToolCall:
 # -- tools ---------------------------------------------------------------------------------
 
 
+NAMESPACE_SEP = "."  # a namespaced tool's flat name: "<namespace>.<name>"
+
+
+def _function_tool(spec: dict[str, Any], where: str, namespace: str | None = None) -> Tool:
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"'{where}.name' is required", param=f"{where}.name")
+    params = spec.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise InvalidRequest(
+            f"'{where}.parameters' must be a JSON schema object", param=f"{where}.parameters"
+        )
+    return Tool(
+        name=f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name,
+        description=str(spec.get("description") or ""),
+        parameters=params or {"type": "object", "properties": {}},
+        strict=bool(spec.get("strict")),
+    )
+
+
 def _function_tools(body: ResponsesRequest) -> list[Tool]:
     tools: list[Tool] = []
     hosted: list[str] = []
     for i, spec in enumerate(body.tools or []):
         kind = spec.get("type")
-        if kind != "function":
+        if kind == "function":
+            tools.append(_function_tool(spec, f"tools[{i}]"))
+        elif kind == "namespace":
+            # A group of function tools the client runs (Codex CLI's sub-agent tools): the
+            # model sees them under flat names; calls come back with name and namespace apart.
+            namespace = spec.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                raise InvalidRequest(f"'tools[{i}].name' is required", param=f"tools[{i}].name")
+            for j, child in enumerate(spec.get("tools") or []):
+                kind = child.get("type", "function") if isinstance(child, dict) else None
+                if kind == "function":
+                    tools.append(_function_tool(child, f"tools[{i}].tools[{j}]", namespace))
+                else:
+                    hosted.append(f"{namespace}/{kind}")
+        else:
             hosted.append(str(kind))
-            continue
-        name = spec.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequest(f"'tools[{i}].name' is required", param=f"tools[{i}].name")
-        params = spec.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise InvalidRequest(
-                f"'tools[{i}].parameters' must be a JSON schema object",
-                param=f"tools[{i}].parameters",
-            )
-        tools.append(
-            Tool(
-                name=name,
-                description=str(spec.get("description") or ""),
-                parameters=params or {"type": "object", "properties": {}},
-                strict=bool(spec.get("strict")),
-            )
-        )
     if hosted:
         # agents such as Codex CLI always declare hosted tools; serving without them keeps
         # those agents usable, and the model only sees the function tools
         log.warning("hosted_tools_dropped", types=hosted)
     return tools
+
+
+def namespaces(body: ResponsesRequest) -> dict[str, tuple[str, str]]:
+    """Flat name -> (namespace, name) of the request's namespaced function tools."""
+    out: dict[str, tuple[str, str]] = {}
+    for spec in body.tools or []:
+        namespace = spec.get("name")
+        if spec.get("type") != "namespace" or not isinstance(namespace, str):
+            continue
+        for child in spec.get("tools") or []:
+            if isinstance(child, dict) and child.get("type", "function") == "function":
+                out[f"{namespace}{NAMESPACE_SEP}{child.get('name')}"] = (namespace, child["name"])
+    return out
 
 
 def _tool_choice(body: ResponsesRequest, tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
@@ -398,6 +430,7 @@ def _echo(body: ResponsesRequest, tools: list[Tool], max_tokens: int) -> dict[st
     reasoning = None
     if body.reasoning is not None:
         reasoning = {"effort": body.reasoning.effort, "summary": body.reasoning.summary}
+    grouped = namespaces(body)
     return {
         "instructions": body.instructions,
         "max_output_tokens": max_tokens,
@@ -420,6 +453,7 @@ def _echo(body: ResponsesRequest, tools: list[Tool], max_tokens: int) -> dict[st
                 "strict": tool.strict,
             }
             for tool in tools
+            if tool.name not in grouped  # namespaced tools: not a type the SDKs model here
         ],
         "top_logprobs": 0,
         "top_p": body.top_p,
@@ -457,7 +491,12 @@ def translate(body: ResponsesRequest, server: Server) -> Translated:
     )
     decision.apply(normalized)
     # the echo is the request's function tools, whatever this backend makes of them
-    meta = ResponseMeta(id=response_id, model=server.model_id, echo=_echo(body, tools, max_tokens))
+    meta = ResponseMeta(
+        id=response_id,
+        model=server.model_id,
+        echo=_echo(body, tools, max_tokens),
+        namespaces=namespaces(body),
+    )
     return Translated(normalized, meta)
 
 

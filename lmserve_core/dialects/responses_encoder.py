@@ -20,6 +20,8 @@ class ResponseMeta:
     model: str
     echo: dict[str, Any] = field(default_factory=dict)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # flat tool name -> (namespace, name) of the request's namespaced tools
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
@@ -81,8 +83,14 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
-def function_call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict[str, Any]:
-    return {
+def function_call_item(
+    item_id: str,
+    call: ToolCall,
+    arguments: str,
+    status: str,
+    namespaces: dict[str, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    item: dict[str, Any] = {
         "type": "function_call",
         "id": item_id,
         "call_id": call.id or new_id("call_"),
@@ -90,6 +98,9 @@ def function_call_item(item_id: str, call: ToolCall, arguments: str, status: str
         "arguments": arguments,
         "status": status,
     }
+    if namespaces and call.name in namespaces:
+        item["namespace"], item["name"] = namespaces[call.name]
+    return item
 
 
 def finish_status(finish: Finish) -> str:
@@ -111,7 +122,9 @@ def encode_response(meta: ResponseMeta, collected: Collected) -> dict[str, Any]:
     if collected.text or not collected.tool_calls:
         output.append(message_item(new_id("msg_"), collected.text, status))
     for call in collected.tool_calls:
-        output.append(function_call_item(new_id("fc_"), call, call.arguments, "completed"))
+        output.append(
+            function_call_item(new_id("fc_"), call, call.arguments, "completed", meta.namespaces)
+        )
     return response_object(meta, status=status, output=output, usage=collected.finish.usage)
 
 
@@ -263,7 +276,7 @@ class ResponsesStreamEncoder:
     def _call_frames(self, call: ToolCall) -> list[bytes]:
         index = len(self._output)
         item_id = new_id("fc_")
-        added = function_call_item(item_id, call, "", "in_progress")
+        added = function_call_item(item_id, call, "", "in_progress", self.meta.namespaces)
         done = {**added, "arguments": call.arguments, "status": "completed"}
         ids = {"item_id": item_id, "output_index": index}
         self._output.append(done)
@@ -272,7 +285,7 @@ class ResponsesStreamEncoder:
             self._frame("response.function_call_arguments.delta", {**ids, "delta": call.arguments}),
             self._frame(
                 "response.function_call_arguments.done",
-                {**ids, "name": call.name, "arguments": call.arguments},
+                {**ids, "name": added["name"], "arguments": call.arguments},
             ),
             self._frame("response.output_item.done", {"output_index": index, "item": done}),
         ]
