@@ -235,7 +235,9 @@ def echoed(completion: Any) -> Any:
     return json.loads(completion.choices[0].message.content or "")
 
 
-def test_structured_output_request_reaches_backend(openai_client: openai.OpenAI) -> None:
+def test_structured_output_fields_map_to_the_constraint(openai_client: openai.OpenAI) -> None:
+    # Which field becomes which constraint; that the constraint governs decoding is shown on
+    # the real model (test_real_model_tools.py::test_constraint_forces_a_shape_...).
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     completion = openai_client.chat.completions.create(
         model="m",

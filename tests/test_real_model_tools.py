@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -363,6 +364,82 @@ def test_messages_round_trip_with_auto_answers_in_text(smol, ant) -> None:
 
     plain = ant.messages.create(model="m", max_tokens=1, messages=MESSAGES)
     assert prompt(message) >= prompt(plain) + token_count(smol, RESULT)
+
+
+# ---------------------------------------------------------------------------- constraints
+
+# Each constraint forces a shape greedy SmolLM2 does not write for this question by itself
+# (it answers "Paris"), so a constraint that never reached the model fails its check.
+SHAPE_PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+CODE = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "integer", "minimum": 1000, "maximum": 9999},
+        "colour": {"type": "string", "enum": ["ultramarine", "vermilion"]},
+    },
+    "required": ["code", "colour"],
+    "additionalProperties": False,
+}
+TICKET = r"[A-Z]{3}-[0-9]{4}"
+LARK = 'start: "ZQX" /[0-9]{2,4}/'
+
+
+def is_code(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == {"code", "colour"}
+            and type(value["code"]) is int and 1000 <= value["code"] <= 9999
+            and value["colour"] in ("ultramarine", "vermilion"))
+
+
+def is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+CONSTRAINED: dict[str, tuple[str, dict[str, Any], Callable[[str], bool]]] = {
+    "chat-json_schema": ("chat", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "code", "schema": CODE, "strict": True}}},
+        is_code),
+    "chat-json_object": ("chat", {"response_format": {"type": "json_object"}}, is_object),
+    "chat-regex": ("chat", {"regex": TICKET}, lambda t: re.fullmatch(TICKET, t) is not None),
+    "chat-lark": ("chat", {"lark": LARK}, lambda t: re.fullmatch(r"ZQX[0-9]{2,4}", t) is not None),
+    "responses-json_schema": ("responses", {"text": {"format": {
+        "type": "json_schema", "name": "code", "schema": CODE, "strict": True}}}, is_code),
+    "responses-regex": ("responses", {"regex": TICKET},
+                        lambda t: re.fullmatch(TICKET, t) is not None),
+    "messages-output_config": ("messages", {"output_config": {"format": {
+        "type": "json_schema", "schema": CODE}}}, is_code),
+    "messages-output_format": ("messages", {"output_format": {
+        "type": "json_schema", "schema": CODE}}, is_code),
+}
+
+
+def constrained_text(oai, ant, dialect: str, extra: dict[str, Any]) -> str:  # type: ignore[no-untyped-def]
+    if dialect == "chat":
+        reply = oai.chat.completions.create(model="m", messages=SHAPE_PROMPT, temperature=0,
+                                            max_tokens=48, extra_body=extra)
+        return reply.choices[0].message.content or ""
+    if dialect == "responses":
+        response = oai.responses.create(model="m", input=SHAPE_PROMPT, temperature=0,
+                                        max_output_tokens=48, extra_body=extra)
+        return str(response.output_text)
+    message = ant.messages.create(model="m", max_tokens=48, messages=SHAPE_PROMPT,
+                                  extra_body={"temperature": 0, **extra})
+    return "".join(b.text for b in message.content if b.type == "text")
+
+
+@pytest.mark.parametrize("case", list(CONSTRAINED))
+def test_constraint_forces_a_shape_the_model_would_not_write(oai, ant, case: str) -> None:
+    dialect, extra, fits = CONSTRAINED[case]
+    free = constrained_text(oai, ant, dialect, {})
+    assert not fits(free), free
+    text = constrained_text(oai, ant, dialect, extra)
+    assert fits(text), text
 
 
 # ---------------------------------------------------------------------------- cuts

@@ -711,6 +711,30 @@ def test_prompt_with_tool_history_is_what_transformers_renders(
     assert (f"<think>\n{REASONING}\n</think>" in text) == loop
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["follow-up", "tool-loop"])
+@pytest.mark.parametrize("on", [True, False], ids=["thinking", "no-thinking"])
+def test_count_tokens_counts_thinking_history_as_the_template_renders_it(
+    srv: Served, on: bool, loop: bool
+) -> None:
+    body = history_body("messages", "thinking", on, loop)
+    counted = srv.http.post("/v1/messages/count_tokens", json=body)
+    assert counted.status_code == 200, counted.text
+    srv.post("messages", body)
+    assert counted.json()["input_tokens"] == len(srv.prompts[-1][1])
+    # a thinking block of the history counts only where the template replays it
+    def count(with_thinking: bool) -> int:
+        messages = messages_conversation(loop)
+        blocks = [b for b in messages[1]["content"] if b["type"] != "thinking"]
+        if with_thinking:
+            blocks.insert(0, {"type": "thinking", "thinking": REASONING, "signature": ""})
+        reply = srv.http.post("/v1/messages/count_tokens", json={**body, "messages": [
+            messages[0], {**messages[1], "content": blocks}, messages[2]]})
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["input_tokens"])
+
+    assert (count(True) > count(False)) == loop
+
+
 # ---------------------------------------------------------------------------- 2. forced calls
 
 
