@@ -3,6 +3,7 @@ compiled and walked by llguidance."""
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import llguidance
 import pytest
 
+from lmserve_core.backend import ThinkMarkers
+from lmserve_core.reasoning import ThinkRouter
 from lmserve_core.request import Tool
 from lmserve_core.tools import HERMES, JSON_CALL, forced_call_grammar
 
@@ -64,8 +67,31 @@ def test_hermes_parser_at_every_split(reply: str, content: str, want: list[Any])
     assert parse_in_pieces(HERMES, [reply]) == (content, want)
     for pieces in splits(reply, 2):
         assert parse_in_pieces(HERMES, pieces) == (content, want), pieces
-    for pieces in splits(reply, 3)[::7]:  # a sample of the three-way cuts
+    for pieces in splits(reply, 3):
         assert parse_in_pieces(HERMES, pieces) == (content, want), pieces
+
+
+def test_reasoning_and_calls_at_every_byte_offset() -> None:
+    """The output chain as the decode loop runs it: bytes, then incremental UTF-8 (as
+    StreamDecoder), then the think router, then the hermes parser; cut at every byte pair."""
+    reply = (
+        "<think>\nZürich 🌤 or Paris?\n</think>\n\nIch prüfe.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌤"}}\n</tool_call>'
+    ).encode()
+    want = ("Zürich 🌤 or Paris?", "Ich prüfe.", [("get_weather", {"city": "Zürich 🌤"})])
+    for cuts in itertools.combinations(range(1, len(reply)), 2):
+        utf8 = codecs.getincrementaldecoder("utf-8")()
+        router, parser = ThinkRouter(ThinkMarkers()), HERMES.parser()
+        reasoning, text, calls = "", "", []
+        for a, b in itertools.pairwise([0, *cuts, len(reply)]):
+            r, t = router.feed(utf8.decode(reply[a:b]))
+            t, c = parser.feed(t)
+            reasoning, text, calls = reasoning + r, text + t, calls + c
+        r, t = router.flush()
+        t, c = parser.feed(t)
+        tail, more = parser.flush()
+        got = (reasoning + r, text + t + tail, [(x.name, json.loads(x.arguments)) for x in calls + c + more])
+        assert got == want, cuts
 
 
 def test_hermes_parser_holds_back_only_what_may_be_a_marker() -> None:
