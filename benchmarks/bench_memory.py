@@ -72,7 +72,7 @@ def main() -> None:
     per_pos = model.kv_bytes_per_pos
     started = time.perf_counter()
     step = 1024
-    for layer, (heads, dk, dv) in enumerate(model.cache_layers):
+    for layer, (heads, dk, dv, *_ring) in enumerate(model.cache_layers):
         k = rng.standard_normal((step, heads * dk)).astype(np.float32)
         v = rng.standard_normal((step, heads * dv)).astype(np.float32)
         for pos in range(0, args.ctx, step):
@@ -84,8 +84,9 @@ def main() -> None:
     model.forward(cache, [tokens[0]], args.ctx - 1)  # a decode step at the last position
     rss, peak = status_kib("VmRSS") * 1024, status_kib("VmHWM") * 1024
     gib = 2**30
+    full = model.kv_bytes(args.ctx)
     print(f"model {path.name}: weights {weights / gib:.2f} GiB, KV {args.kv_type} "
-          f"{per_pos} bytes/position ({per_pos * args.ctx / gib:.2f} GiB at {args.ctx})")
+          f"{per_pos} bytes/position ({full / gib:.2f} GiB at {args.ctx})")
     print(f"filled {args.ctx} positions in {filled:.1f} s")
     print(f"RSS before the cache {base / gib:.2f} GiB, after {rss / gib:.2f} GiB, "
           f"peak {peak / gib:.2f} GiB")

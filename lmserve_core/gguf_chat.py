@@ -123,17 +123,20 @@ class GGUFChatBackend:
         self.stop_ids: frozenset[int] = frozenset(stop_ids)
 
         per_pos = getattr(model, "kv_bytes_per_pos", None)
+        n_slots = max(1, int(settings.kv_slots))
+        whole = getattr(model, "kv_bytes", None)
+        # what the slots take once every position is written (pages commit lazily)
+        full = whole(self.context_length) if callable(whole) else (
+            None if per_pos is None else per_pos * self.context_length
+        )
         log.info(
             "kv_cache",
             model=self.model_id,
             kv_type=getattr(model, "kv_type", None),
             bytes_per_position=per_pos,
             ctx=self.context_length,
-            slots=max(1, int(settings.kv_slots)),
-            # what the slots take once every position is written (pages commit lazily)
-            full_mib=None if per_pos is None else round(
-                per_pos * self.context_length * max(1, int(settings.kv_slots)) / 2**20, 1
-            ),
+            slots=n_slots,
+            full_mib=None if full is None else round(full * n_slots / 2**20, 1),
         )
         self.slots: SlotPool[KVCache] = SlotPool(
             max(1, int(settings.kv_slots)),

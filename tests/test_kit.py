@@ -137,6 +137,75 @@ def test_attention_over_f16_cache_equals_f32_attention_on_rounded_rows(
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("chunk", [1, 3, 8, 13])  # decode path, few tokens, tiled prefill
+def test_ring_cache_attends_like_full_rows(
+    kv_type: str, chunk: int, isa: Any, rng: np.random.Generator
+) -> None:
+    # A sliding-window layer keeps a ring of window + chunk rows: fed chunk by chunk over a
+    # context several rings long, its attention equals windowed attention over every row.
+    n_ctx, heads, kv_heads, hd, window = 96, 4, 2, 32, 9
+    ring = window + chunk
+    k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
+    q = rng.standard_normal((n_ctx, heads, hd)).astype(np.float32)
+    cache = K.Cache([(kv_heads, hd, hd, ring), (kv_heads, hd, hd)], n_ctx, kv_type)
+    assert cache.rings == [ring, 0]
+    row = 2 * kv_heads * hd * (2 if kv_type == "f16" else 4)
+    assert cache.bytes_per_pos == row  # only the full layer grows with the context
+    assert cache.bytes == (ring + n_ctx) * row == K.cache_bytes(
+        [(kv_heads, hd, hd, ring), (kv_heads, hd, hd)], n_ctx, kv_type
+    )
+    rounded = (lambda a: a.astype(np.float16).astype(np.float32)) if kv_type == "f16" else (
+        lambda a: a
+    )
+    rk, rv = (rounded(a).reshape(n_ctx, kv_heads, hd) for a in (k, v))
+    with K.Pool(2) as pool:
+        for pos in range(0, n_ctx, chunk):
+            n = min(chunk, n_ctx - pos)
+            for layer in range(2):
+                cache.write(layer, pos, k[pos : pos + n], v[pos : pos + n])
+            want = K.attention(q[: pos + n], rk[: pos + n], rv[: pos + n], 0, 0.2, window,
+                               3.0, pool)[pos:]
+            for layer in range(2):
+                got = cache.attention(layer, q[pos : pos + n], pos, 0.2, window, 3.0, pool)
+                np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+        # the ring holds the last `ring` positions; older ones are gone
+        got_k, _ = cache.read(0, n_ctx - ring, ring)
+        np.testing.assert_array_equal(got_k, rounded(k[n_ctx - ring :]))
+        with pytest.raises(K.KernelValueError):
+            cache.read(0, 0, ring + 1)
+        # a chunk whose first query's window no longer fits in the ring is refused
+        with pytest.raises(K.KernelValueError):
+            cache.attention(0, q[: chunk + 2], n_ctx - chunk - 2, 0.2, window, 0.0, pool)
+        with pytest.raises(K.KernelValueError):
+            cache.attention(0, q[:1], n_ctx - 1, 0.2, 0, 0.0, pool)  # no window at all
+
+
+def test_ring_cache_copy_and_state_keep_resident_rows(rng: np.random.Generator) -> None:
+    geometry = [(1, 16, 16, 6), (2, 8, 8)]
+    rows = [kv_rows(rng, g[:3], 20) for g in geometry]
+    # held 5 (the ring not yet wrapped) and held 20 (wrapped: positions 14..19 resident)
+    for held, n in ((5, 4), (20, 20)):
+        src = K.Cache(geometry, 32, "f32")
+        for layer, (k, v) in enumerate(rows):
+            src.write(layer, 0, k[:held], v[:held])
+        state = src.state(n)
+        # a state of n positions holds min(n, ring) rows of a ring layer
+        assert state.nbytes == (min(n, 6) * 2 * 16 + n * 2 * 16) * 4
+        dst = K.Cache(geometry, 32, "f32")
+        dst.load(n, state)
+        copied = K.Cache(geometry, 32, "f32")
+        src.copy_to(copied, n)
+        lo = max(0, n - 6)
+        for cache in (dst, copied):
+            got_k, got_v = cache.read(0, lo, n - lo)
+            np.testing.assert_array_equal(got_k, rows[0][0][lo:n])
+            np.testing.assert_array_equal(got_v, rows[0][1][lo:n])
+            np.testing.assert_array_equal(cache.read(1, 0, n)[0], rows[1][0][:n])
+    with pytest.raises(K.KernelMismatchError):  # rings of another size
+        src.copy_to(K.Cache([(1, 16, 16, 7), (2, 8, 8)], 32, "f32"), 10)
+
+
 # ---------------------------------------------------------------------------- row ops
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile, TensorInfo
-from lmserve_core.model import AttentionCache
+from lmserve_core.model import ATTENTION, AttentionCache, CacheKind
 from lmserve_core.native import kernels
 
 from .rope import Rope
@@ -34,14 +34,42 @@ _bound: set[int] = set()  # family libs already handed the kit table
 _bind_lock = threading.Lock()
 
 
+SLIDING = CacheKind(name="sliding")
+
+
 class NativeCache(AttentionCache):
-    """A KV cache of one model: full attention rows, f16 or f32, committed lazily."""
+    """A KV cache of one model: attention rows, f16 or f32, committed lazily.
+
+    Sliding-window layers may keep a ring of rows (the geometry's ``ring``): the cache is then
+    of kind ``sliding``, and a prefix can be continued from only while the ring still holds
+    the keys its next chunk sees (see :meth:`reusable_prefix`).
+    """
 
     def __init__(self, model: NativeForwardModel, n_ctx: int, kv_type: str) -> None:
         self.model = model  # the cache's geometry belongs to this model
         self.native = kernels.Cache(model.cache_layers, n_ctx, kv_type, n_layer=model.n_layer)
         self.n_ctx = n_ctx
         self.kv_type = kv_type
+        rings = [r for r in self.native.rings if r > 0]
+        # A ring of R rows serves a window of at most R - n_batch (the chunk is written
+        # before it is attended): the smallest ring bounds what the cache can reuse.
+        self._ring = min(rings, default=0)
+        self._batch = model.n_batch
+
+    @property
+    def kind(self) -> CacheKind:  # type: ignore[override]
+        return SLIDING if self._ring else ATTENTION
+
+    def reusable_prefix(self, held: int, wanted: int) -> int:
+        """Any prefix of a cache without rings; with rings, ``wanted`` while every ring
+        still holds the window before it (the positions since ``held - ring`` are
+        resident), else nothing."""
+        n = min(held, wanted)
+        ring = self._ring
+        if ring == 0 or held <= ring:
+            return n
+        # query n needs keys from n - window + 1 >= n - (ring - n_batch) + 1
+        return n if n - (ring - self._batch) + 1 >= held - ring else 0
 
     def snapshot(self, n: int) -> npt.NDArray[np.uint8]:
         """The state of positions [0, n) as bytes."""
@@ -216,7 +244,12 @@ class NativeForwardModel:
         self.n_layer = int(self._core.n_layer)
         layers = self._core.cache_layers
         self.cache_layers = [
-            (int(layers[i].n_kv_head), int(layers[i].head_dim_k), int(layers[i].head_dim_v))
+            (
+                int(layers[i].n_kv_head),
+                int(layers[i].head_dim_k),
+                int(layers[i].head_dim_v),
+                int(layers[i].ring),
+            )
             for i in range(self.n_layer)
         ]
         self.n_used_experts = n_used_experts
@@ -226,8 +259,13 @@ class NativeForwardModel:
 
     @property
     def kv_bytes_per_pos(self) -> int:
-        """Bytes one position of a cache takes (K and V of every layer)."""
+        """Bytes one position of a cache takes (K and V of every layer with a row per
+        position; sliding-window rings take a fixed size, see :meth:`kv_bytes`)."""
         return kernels.cache_bytes_per_pos(self.cache_layers, self.n_layer, self.kv_type)
+
+    def kv_bytes(self, n_ctx: int) -> int:
+        """Bytes of a cache of ``n_ctx`` positions once every row is written."""
+        return kernels.cache_bytes(self.cache_layers, n_ctx, self.kv_type, self.n_layer)
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> NativeCache:
         """An empty cache for ``n_ctx`` positions (pages commit lazily)."""

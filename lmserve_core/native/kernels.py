@@ -548,7 +548,8 @@ CacheGeometry = tuple[int, int, int]  # (n_kv_head, head_dim_k, head_dim_v) of o
 
 
 def _layers(layers: Any) -> Any:
-    """An ``lm_cache_layer[]`` from cdata or (n_kv_head, head_dim_k, head_dim_v) tuples."""
+    """An ``lm_cache_layer[]`` from cdata or (n_kv_head, head_dim_k, head_dim_v[, ring])
+    tuples (ring 0 or absent: a row per position)."""
     if isinstance(layers, ffi.CData):
         return layers
     out = ffi.new("lm_cache_layer[]", max(len(layers), 1))
@@ -556,12 +557,25 @@ def _layers(layers: Any) -> Any:
         if isinstance(layer, ffi.CData):
             out[i] = layer
         else:
-            out[i].n_kv_head, out[i].head_dim_k, out[i].head_dim_v = (int(v) for v in layer)
+            values = [int(v) for v in layer]
+            out[i].n_kv_head, out[i].head_dim_k, out[i].head_dim_v = values[:3]
+            out[i].ring = values[3] if len(values) > 3 else 0
     return out
 
 
+def cache_bytes(layers: Any, n_ctx: int, kv_type: str = "f16", n_layer: int | None = None) -> int:
+    """Bytes of a whole cache of ``n_ctx`` positions (rings of sliding-window layers
+    included) once every row is written."""
+    arr = _layers(layers)
+    n = len(layers) if n_layer is None else n_layer
+    size = int(lib.lm_cache_bytes(n, arr, int(n_ctx), _cache_type(kv_type)))
+    check(min(size, 0), "cache_bytes")
+    return size
+
+
 def cache_bytes_per_pos(layers: Any, n_layer: int | None = None, kv_type: str = "f16") -> int:
-    """Bytes one position takes in a cache of this geometry (K and V of every layer)."""
+    """Bytes one position takes in a cache of this geometry (K and V of every layer with a
+    row per position; ring layers take a fixed size, see :func:`cache_bytes`)."""
     arr = _layers(layers)
     n = len(layers) if n_layer is None else n_layer
     size = int(lib.lm_cache_bytes_per_pos(n, arr, _cache_type(kv_type)))
@@ -582,7 +596,9 @@ class Cache:
     """A native KV cache of ``n_ctx`` positions (pages commit lazily).
 
     ``layers`` is the geometry of every layer: ``lm_cache_layer`` cdata or
-    (n_kv_head, head_dim_k, head_dim_v) tuples. ``kv_type`` is "f16" or "f32".
+    (n_kv_head, head_dim_k, head_dim_v[, ring]) tuples. ``kv_type`` is "f16" or "f32". A
+    layer with a ring smaller than ``n_ctx`` keeps only the last ``ring`` positions written
+    (``rings``; 0 for a row per position).
     """
 
     def __init__(
@@ -595,13 +611,17 @@ class Cache:
         out = ffi.new("lm_cache **")
         check(lib.lm_cache_new(n, arr, n_ctx, _cache_type(kv_type), out), "cache_new")
         self.bytes_per_pos = cache_bytes_per_pos(arr, n, kv_type)
-        self._ptr: Any = ffi.gc(out[0], lib.lm_cache_free, size=self.bytes_per_pos * n_ctx)
+        self.bytes = cache_bytes(arr, n_ctx, kv_type, n)
+        self._ptr: Any = ffi.gc(out[0], lib.lm_cache_free, size=self.bytes)
         self.n_ctx = n_ctx
         self.n_layer = n
         self.kv_type = kv_type
         self.layers: list[CacheGeometry] = [
             (int(arr[i].n_kv_head), int(arr[i].head_dim_k), int(arr[i].head_dim_v))
             for i in range(n)
+        ]
+        self.rings: list[int] = [
+            int(arr[i].ring) if 0 < int(arr[i].ring) < n_ctx else 0 for i in range(n)
         ]
 
     @property

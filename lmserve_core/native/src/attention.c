@@ -21,6 +21,7 @@ typedef struct {
     const uint8_t *kc, *vc; /* rows of kv_stride elements of kv_type */
     int kv_type;            /* LM_F32 or LM_F16 */
     int64_t kv_stride;
+    int64_t ring;           /* > 0: position p in row p % ring */
     float *out;
     int64_t ntok, pos0, window, n_ctx;
     int n_head, n_kv_head, head_dim;
@@ -44,6 +45,9 @@ typedef struct {
     size_t per_thread_sz;
 } attn_ctx;
 
+/* Widest head a ring's wrapped value run sums into on the stack. */
+#define LM_ATTN_HEAD_DIM_MAX 1024
+
 /* Below this many query tokens the per-(token, head) path is used. */
 #define ATTN_TILED_MIN_TOKENS 8
 
@@ -61,13 +65,59 @@ static inline const uint8_t *kv_row(const attn_ctx *c, const uint8_t *base, int6
     return base + idx * (c->kv_type == LM_F16 ? 2 : 4);
 }
 
+/* The cache row of key position pos. */
+static inline int64_t key_row(const attn_ctx *c, int64_t pos) {
+    return c->ring > 0 ? pos % c->ring : pos;
+}
+
+/* Scores of n keys from position j0 for one query (s[0 .. n)), the keys in at most two runs
+ * of rows when a ring wraps; the maximum score. */
+static float chunk_scores(const attn_ctx *c, const float *qv, int kvh, int64_t j0, int64_t n,
+                          float *s) {
+    const lm_kernels *k = c->k;
+    float mx = -INFINITY;
+    for (int64_t done = 0; done < n;) {
+        const int64_t row = key_row(c, j0 + done);
+        const int64_t len = c->ring > 0 && c->ring - row < n - done ? c->ring - row : n - done;
+        const uint8_t *kb = kv_row(c, c->kc, row * c->kv_stride + (int64_t)kvh * c->head_dim);
+        const float m =
+            c->kv_type == LM_F16
+                ? k->qk_scores_f16(qv, (const uint16_t *)kb, c->kv_stride, len, c->head_dim,
+                                   c->scale, s + done)
+                : k->qk_scores(qv, (const float *)kb, c->kv_stride, len, c->head_dim, c->scale,
+                               s + done);
+        mx = m > mx ? m : mx;
+        done += len;
+    }
+    return mx;
+}
+
+/* out = sum_j p[j] v[j] over the n values from position j0 (at most two runs of rows). */
+static void chunk_values(const attn_ctx *c, const float *p, int kvh, int64_t j0, int64_t n,
+                         float *out) {
+    const lm_kernels *k = c->k;
+    const int hd = c->head_dim;
+    float tmp[LM_ATTN_HEAD_DIM_MAX];
+    for (int64_t done = 0; done < n;) {
+        const int64_t row = key_row(c, j0 + done);
+        const int64_t len = c->ring > 0 && c->ring - row < n - done ? c->ring - row : n - done;
+        const uint8_t *vb = kv_row(c, c->vc, row * c->kv_stride + (int64_t)kvh * hd);
+        float *o = done == 0 ? out : tmp;
+        if (c->kv_type == LM_F16) {
+            k->pv_sum_f16(p + done, (const uint16_t *)vb, c->kv_stride, len, hd, o);
+        } else {
+            k->pv_sum(p + done, (const float *)vb, c->kv_stride, len, hd, o);
+        }
+        if (done > 0) k->axpy_f32(out, 1.0f, tmp, hd);
+        done += len;
+    }
+}
+
 static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
     const attn_ctx *c = arg;
     const lm_kernels *k = c->k;
     const int hd = c->head_dim;
     const int group = c->n_head / c->n_kv_head;
-    const int64_t kv_stride = c->kv_stride;
-    const int f16 = c->kv_type == LM_F16;
     float *sc = c->scores + (size_t)thread * (size_t)group * (size_t)c->chunk;
     const int64_t items = c->ntok * c->n_kv_head * c->n_kc;
     const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
@@ -87,15 +137,11 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
             }
             continue;
         }
-        const uint8_t *kb = kv_row(c, c->kc, j0 * kv_stride + (int64_t)kvh * hd);
-        const uint8_t *vb = kv_row(c, c->vc, j0 * kv_stride + (int64_t)kvh * hd);
         /* all heads of the group score the chunk first (its keys stay in L1) ... */
         for (int g = 0; g < group; g++) {
             const float *qv = c->q + (t * c->n_head + (int64_t)kvh * group + g) * hd;
             float *s = sc + (int64_t)g * c->chunk;
-            float mx = f16 ? k->qk_scores_f16(qv, (const uint16_t *)kb, kv_stride, n, hd,
-                                              c->scale, s)
-                           : k->qk_scores(qv, (const float *)kb, kv_stride, n, hd, c->scale, s);
+            float mx = chunk_scores(c, qv, kvh, j0, n, s);
             if (c->softcap > 0.0f) {
                 mx = -INFINITY;
                 for (int64_t j = 0; j < n; j++) {
@@ -109,12 +155,7 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
         }
         /* ... then sum the values the same way */
         for (int g = 0; g < group; g++) {
-            const float *p = sc + (int64_t)g * c->chunk;
-            if (f16) {
-                k->pv_sum_f16(p, (const uint16_t *)vb, kv_stride, n, hd, part0 + g * part_stride);
-            } else {
-                k->pv_sum(p, (const float *)vb, kv_stride, n, hd, part0 + g * part_stride);
-            }
+            chunk_values(c, sc + (int64_t)g * c->chunk, kvh, j0, n, part0 + g * part_stride);
         }
     }
 }
@@ -161,7 +202,7 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
         for (int r = 0; r < mr; r++) {
             const int64_t key = c->key0 + kp * mr + r;
             const int live = key >= c->first && key < c->n_ctx;
-            const int64_t src = key * kv_stride + (int64_t)h * hd;
+            const int64_t src = key_row(c, key) * kv_stride + (int64_t)h * hd;
             for (int d = 0; d < hd; d++) {
                 kd[(int64_t)d * mr + r] = live ? kv_at(c, c->kc, src + d) : 0.0f;
             }
@@ -171,7 +212,8 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
             for (int r = 0; r < mr; r++) {
                 const int64_t key = c->key0 + kp * mr + r;
                 const int live = key >= c->first && key < c->n_ctx;
-                const int64_t src = key * kv_stride + (int64_t)h * hd + ch * mr;
+                const int64_t src = key_row(c, live ? key : 0) * kv_stride + (int64_t)h * hd +
+                                    ch * mr;
                 for (int d = 0; d < mr; d++) {
                     const int dd = ch * mr + d;
                     vd[r * mr + d] = live && dd < hd ? kv_at(c, c->vc, src + d) : 0.0f;
@@ -302,9 +344,11 @@ static int attn_tiled(lm_pool *acq, attn_ctx *c) {
 
 /* Attention over K and V rows of kv_type with a row stride of kv_stride elements. */
 int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
-                       int64_t kv_stride, float *out, int64_t ntok, int64_t pos0, int n_head,
-                       int n_kv_head, int head_dim, float scale, int64_t window, float softcap) {
-    if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 ||
+                       int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
+                       int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
+                       float softcap) {
+    if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 || ring < 0 ||
+        (ring > 0 && head_dim > LM_ATTN_HEAD_DIM_MAX) ||
         n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f) ||
         (kv_type != LM_F32 && kv_type != LM_F16) || kv_stride < (int64_t)n_kv_head * head_dim) {
         return LM_EINVAL;
@@ -322,6 +366,7 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
         .vc = v,
         .kv_type = kv_type,
         .kv_stride = kv_stride,
+        .ring = ring,
         .out = out,
         .ntok = ntok,
         .pos0 = pos0,
@@ -377,8 +422,9 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
 int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, float *out,
                  int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
                  float scale, int64_t window, float softcap) {
-    return lm_attention_typed(pool, q, k, v, LM_F32, (int64_t)n_kv_head * head_dim, out, ntok,
+    return lm_attention_typed(pool, q, k, v, LM_F32, (int64_t)n_kv_head * head_dim, 0, out, ntok,
                               pos0, n_head, n_kv_head, head_dim, scale, window, softcap);
 }
 
 #undef ATTN_TILED_MIN_TOKENS
+#undef LM_ATTN_HEAD_DIM_MAX

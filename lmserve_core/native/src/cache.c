@@ -1,6 +1,8 @@
 /*
- * KV caches: per layer, n_ctx rows of keys and n_ctx rows of values in f16 or f32, in one
- * lazily committed mapping (an 8k-position cache costs only the rows a conversation reaches).
+ * KV caches: per layer, rows of keys and rows of values in f16 or f32, in one lazily committed
+ * mapping (an 8k-position cache costs only the rows a conversation reaches). A layer has a row
+ * per position of the context, or a ring of fewer rows (a sliding-window layer: position p in
+ * row p % rows, the last `rows` positions written are resident).
  */
 #include <stdlib.h>
 
@@ -17,6 +19,7 @@ struct lm_cache {
     int type;      /* LM_F16 or LM_F32 */
     size_t esize;  /* bytes per element */
     lm_cache_layer *layers; /* (n_layer) */
+    int64_t *rows; /* (n_layer) rows of the layer: n_ctx, or its ring when smaller */
     size_t *k_off; /* (n_layer) byte offset of the layer's K rows */
     size_t *v_off; /* (n_layer) byte offset of the layer's V rows */
     uint8_t *mem;
@@ -58,17 +61,40 @@ static int layers_ok(int n_layer, const lm_cache_layer *layers) {
     for (int l = 0; l < n_layer; l++) {
         const lm_cache_layer *g = &layers[l];
         if (g->n_kv_head <= 0 || g->head_dim_k <= 0 || g->head_dim_v <= 0 ||
-            g->n_kv_head > (1 << 16) || g->head_dim_k > (1 << 16) || g->head_dim_v > (1 << 16))
+            g->n_kv_head > (1 << 16) || g->head_dim_k > (1 << 16) || g->head_dim_v > (1 << 16) ||
+            g->ring < 0 || g->ring > ((int64_t)1 << 40))
             return 0;
     }
     return 1;
+}
+
+static int64_t rows_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Rows a layer keeps in a cache of n_ctx positions. */
+static int64_t layer_rows(const lm_cache_layer *l, int64_t n_ctx) {
+    return l->ring > 0 && l->ring < n_ctx ? l->ring : n_ctx;
 }
 
 int64_t lm_cache_bytes_per_pos(int n_layer, const lm_cache_layer *layers, int type) {
     const size_t es = type_size(type);
     if (es == 0 || !layers_ok(n_layer, layers)) return LM_EINVAL;
     int64_t total = 0;
-    for (int l = 0; l < n_layer; l++) total += (kdim(&layers[l]) + vdim(&layers[l])) * (int64_t)es;
+    for (int l = 0; l < n_layer; l++)
+        if (layers[l].ring == 0) total += (kdim(&layers[l]) + vdim(&layers[l])) * (int64_t)es;
+    return total;
+}
+
+int64_t lm_cache_bytes(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int type) {
+    const size_t es = type_size(type);
+    if (es == 0 || !layers_ok(n_layer, layers) || n_ctx <= 0 || n_ctx > ((int64_t)1 << 40))
+        return LM_EINVAL;
+    int64_t total = 0;
+    for (int l = 0; l < n_layer; l++) {
+        const int64_t row = (kdim(&layers[l]) + vdim(&layers[l])) * (int64_t)es;
+        const int64_t rows = layer_rows(&layers[l], n_ctx);
+        if (rows > (((int64_t)1 << 40) - total) / row) return LM_EINVAL;
+        total += rows * row;
+    }
     return total;
 }
 
@@ -78,8 +104,7 @@ int lm_cache_new(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int t
                  lm_cache **out) {
     if (out == NULL) return LM_EINVAL;
     *out = NULL;
-    const int64_t per_pos = lm_cache_bytes_per_pos(n_layer, layers, type);
-    if (per_pos <= 0 || n_ctx <= 0 || n_ctx > ((int64_t)1 << 40) / per_pos) return LM_EINVAL;
+    if (lm_cache_bytes(n_layer, layers, n_ctx, type) <= 0) return LM_EINVAL;
     lm_cache *c = calloc(1, sizeof *c);
     if (c == NULL) return LM_ENOMEM;
     c->n_layer = n_layer;
@@ -89,17 +114,19 @@ int lm_cache_new(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int t
     c->layers = malloc(sizeof *c->layers * (size_t)n_layer);
     c->k_off = malloc(sizeof *c->k_off * (size_t)n_layer);
     c->v_off = malloc(sizeof *c->v_off * (size_t)n_layer);
-    if (c->layers == NULL || c->k_off == NULL || c->v_off == NULL) {
+    c->rows = malloc(sizeof *c->rows * (size_t)n_layer);
+    if (c->layers == NULL || c->k_off == NULL || c->v_off == NULL || c->rows == NULL) {
         lm_cache_free(c);
         return LM_ENOMEM;
     }
     size_t off = 0;
     for (int l = 0; l < n_layer; l++) {
         c->layers[l] = layers[l];
+        c->rows[l] = layer_rows(&layers[l], n_ctx);
         c->k_off[l] = off;
-        off += (size_t)n_ctx * (size_t)kdim(&layers[l]) * c->esize;
+        off += (size_t)c->rows[l] * (size_t)kdim(&layers[l]) * c->esize;
         c->v_off[l] = off;
-        off += (size_t)n_ctx * (size_t)vdim(&layers[l]) * c->esize;
+        off += (size_t)c->rows[l] * (size_t)vdim(&layers[l]) * c->esize;
     }
     c->bytes = off;
     c->mem = lazy_zeroed(off);
@@ -117,6 +144,7 @@ void lm_cache_free(lm_cache *cache) {
     free(cache->layers);
     free(cache->k_off);
     free(cache->v_off);
+    free(cache->rows);
     free(cache);
 }
 
@@ -130,7 +158,7 @@ int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *l
     for (int l = 0; l < n_layer; l++) {
         const lm_cache_layer *a = &cache->layers[l], *b = &layers[l];
         if (a->n_kv_head != b->n_kv_head || a->head_dim_k != b->head_dim_k ||
-            a->head_dim_v != b->head_dim_v)
+            a->head_dim_v != b->head_dim_v || a->ring != b->ring)
             return 0;
     }
     return 1;
@@ -143,10 +171,15 @@ int lm_cache_copy(const lm_cache *src, lm_cache *dst, int64_t n) {
         return LM_EINVAL;
     if (src->type != dst->type || !lm_cache_matches(dst, src->n_layer, src->layers))
         return LM_EMISMATCH;
+    for (int l = 0; l < src->n_layer; l++)
+        if (src->rows[l] != dst->rows[l] && (src->rows[l] < n || dst->rows[l] < n))
+            return LM_EMISMATCH; /* rings of different sizes place positions apart */
     if (src == dst || n == 0) return LM_OK;
     for (int l = 0; l < src->n_layer; l++) {
-        const size_t kb = (size_t)n * (size_t)kdim(&src->layers[l]) * src->esize;
-        const size_t vb = (size_t)n * (size_t)vdim(&src->layers[l]) * src->esize;
+        /* a ring's rows in place: dst then holds what src held at the positions it keeps */
+        const int64_t rows = rows_min(n, src->rows[l]);
+        const size_t kb = (size_t)rows * (size_t)kdim(&src->layers[l]) * src->esize;
+        const size_t vb = (size_t)rows * (size_t)vdim(&src->layers[l]) * src->esize;
         memcpy(dst->mem + dst->k_off[l], src->mem + src->k_off[l], kb);
         memcpy(dst->mem + dst->v_off[l], src->mem + src->v_off[l], vb);
     }
@@ -166,29 +199,60 @@ static void store_row(const lm_cache *c, uint8_t *dst, const float *src, int64_t
     }
 }
 
+/* The rows of positions pos0 .. pos0 + ntok - 1 of a layer as at most two runs of rows
+ * (a ring wraps): run i is `len[i]` rows from row `row[i]`, holding positions from pos[i]. */
+typedef struct {
+    int64_t row[2], len[2], pos[2];
+} row_runs;
+
+static row_runs runs_of(const lm_cache *c, int layer, int64_t pos0, int64_t ntok) {
+    const int64_t rows = c->rows[layer];
+    row_runs r = {{0, 0}, {0, 0}, {0, 0}};
+    if (ntok > rows) { /* only the last `rows` positions stay */
+        pos0 += ntok - rows;
+        ntok = rows;
+    }
+    r.row[0] = pos0 % rows;
+    r.pos[0] = pos0;
+    r.len[0] = rows_min(ntok, rows - r.row[0]);
+    r.pos[1] = pos0 + r.len[0];
+    r.len[1] = ntok - r.len[0];
+    return r;
+}
+
 int lm_cache_write(lm_cache *cache, int layer, int64_t pos0, int64_t ntok, const float *k,
                    const float *v) {
     if (!rows_ok(cache, layer, pos0, ntok) || (ntok > 0 && (k == NULL || v == NULL)))
         return LM_EINVAL;
     const int64_t kd = kdim(&cache->layers[layer]), vd = vdim(&cache->layers[layer]);
-    uint8_t *kc = cache->mem + cache->k_off[layer] + (size_t)(pos0 * kd) * cache->esize;
-    uint8_t *vc = cache->mem + cache->v_off[layer] + (size_t)(pos0 * vd) * cache->esize;
-    store_row(cache, kc, k, ntok * kd);
-    store_row(cache, vc, v, ntok * vd);
+    const row_runs r = runs_of(cache, layer, pos0, ntok);
+    for (int i = 0; i < 2; i++) {
+        const int64_t at = r.pos[i] - pos0;
+        uint8_t *kc = cache->mem + cache->k_off[layer] + (size_t)(r.row[i] * kd) * cache->esize;
+        uint8_t *vc = cache->mem + cache->v_off[layer] + (size_t)(r.row[i] * vd) * cache->esize;
+        store_row(cache, kc, k + at * kd, r.len[i] * kd);
+        store_row(cache, vc, v + at * vd, r.len[i] * vd);
+    }
     return LM_OK;
 }
 
 int lm_cache_read(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok, float *k,
                   float *v) {
-    if (!rows_ok(cache, layer, pos0, ntok) || (ntok > 0 && (k == NULL || v == NULL)))
+    if (!rows_ok(cache, layer, pos0, ntok) || (ntok > 0 && (k == NULL || v == NULL)) ||
+        ntok > cache->rows[layer])
         return LM_EINVAL;
     const int64_t kd = kdim(&cache->layers[layer]), vd = vdim(&cache->layers[layer]);
-    const uint8_t *kc = cache->mem + cache->k_off[layer] + (size_t)(pos0 * kd) * cache->esize;
-    const uint8_t *vc = cache->mem + cache->v_off[layer] + (size_t)(pos0 * vd) * cache->esize;
-    if (ntok > 0) {
-        const lm_kernels *kt = lm_kernels_active();
-        kt->dequant[cache->type](kc, k, ntok * kd);
-        kt->dequant[cache->type](vc, v, ntok * vd);
+    const row_runs r = runs_of(cache, layer, pos0, ntok);
+    const lm_kernels *kt = lm_kernels_active();
+    for (int i = 0; i < 2; i++) {
+        if (r.len[i] == 0) continue;
+        const int64_t at = r.pos[i] - pos0;
+        const uint8_t *kc =
+            cache->mem + cache->k_off[layer] + (size_t)(r.row[i] * kd) * cache->esize;
+        const uint8_t *vc =
+            cache->mem + cache->v_off[layer] + (size_t)(r.row[i] * vd) * cache->esize;
+        kt->dequant[cache->type](kc, k + at * kd, r.len[i] * kd);
+        kt->dequant[cache->type](vc, v + at * vd, r.len[i] * vd);
     }
     return LM_OK;
 }
@@ -197,18 +261,24 @@ int lm_cache_read(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok, 
 
 int64_t lm_cache_state_bytes(const lm_cache *cache, int64_t n) {
     if (cache == NULL || n < 0 || n > cache->n_ctx) return LM_EINVAL;
-    return n * lm_cache_bytes_per_pos(cache->n_layer, cache->layers, cache->type);
+    int64_t total = 0;
+    for (int l = 0; l < cache->n_layer; l++)
+        total += rows_min(n, cache->rows[l]) * (kdim(&cache->layers[l]) + vdim(&cache->layers[l])) *
+                 (int64_t)cache->esize;
+    return total;
 }
 
-/* Visit each layer's K then V rows [0, n) in the state's order. */
+/* Visit each layer's K then V rows [0, min(n, rows)) in the state's order: a ring's rows as
+ * they lie, so a state loads into a cache of the same geometry. */
 static int state_copy(const lm_cache *cache, int64_t n, uint8_t *buf, int64_t buf_bytes,
                       int save) {
     const int64_t need = lm_cache_state_bytes(cache, n);
     if (need < 0 || buf == NULL || buf_bytes < need) return LM_EINVAL;
     size_t at = 0;
     for (int l = 0; l < cache->n_layer; l++) {
-        const size_t kb = (size_t)n * (size_t)kdim(&cache->layers[l]) * cache->esize;
-        const size_t vb = (size_t)n * (size_t)vdim(&cache->layers[l]) * cache->esize;
+        const int64_t rows = rows_min(n, cache->rows[l]);
+        const size_t kb = (size_t)rows * (size_t)kdim(&cache->layers[l]) * cache->esize;
+        const size_t vb = (size_t)rows * (size_t)vdim(&cache->layers[l]) * cache->esize;
         uint8_t *kc = cache->mem + cache->k_off[l], *vc = cache->mem + cache->v_off[l];
         if (save) {
             memcpy(buf + at, kc, kb);
@@ -238,7 +308,14 @@ int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, in
     if (!rows_ok(cache, layer, pos0, ntok)) return LM_EINVAL;
     const lm_cache_layer *g = &cache->layers[layer];
     if (g->head_dim_k != g->head_dim_v) return LM_EINVAL;
+    const int64_t rows = cache->rows[layer];
+    const int64_t ring = rows < cache->n_ctx ? rows : 0;
+    /* a ring must still hold every key the chunk's first query sees after the chunk's own
+     * rows were written: its window, and the chunk */
+    if (ring > 0 && pos0 + ntok > ring && (window <= 0 || window + ntok - 1 > ring))
+        return LM_EINVAL;
     return lm_attention_typed(pool, q, cache->mem + cache->k_off[layer],
-                              cache->mem + cache->v_off[layer], cache->type, kdim(g), out, ntok,
-                              pos0, n_head, g->n_kv_head, g->head_dim_k, scale, window, softcap);
+                              cache->mem + cache->v_off[layer], cache->type, kdim(g), ring, out,
+                              ntok, pos0, n_head, g->n_kv_head, g->head_dim_k, scale, window,
+                              softcap);
 }

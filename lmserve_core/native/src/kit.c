@@ -227,7 +227,7 @@ int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, in
     memset(b, 0, sizeof *b);
     if (n_batch <= 0 || n_batch > (1 << 20) || n_vocab <= 0 || n_embd <= 0 ||
         n_embd > (1 << 20) || n_layer <= 0 || forward_chunk == NULL ||
-        lm_cache_bytes_per_pos(n_layer, layers, LM_F32) <= 0)
+        lm_cache_bytes(n_layer, layers, 1, LM_F32) <= 0)
         return LM_EINVAL;
     b->n_batch = n_batch;
     b->n_vocab = n_vocab;
@@ -511,6 +511,8 @@ int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer
     const float eps = blk->norm_eps;
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->attn_norm, ntok, D, eps));
     LM_TRY(lm_self_attention(b, &blk->attn, cache, layer, b->xb, ntok, pos0, b->xb));
+    if (blk->post_attn_norm != NULL)
+        LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->xb, blk->post_attn_norm, ntok, D, eps));
     LM_TRY(lm_add_rows(b->x, b->xb, n));
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->ffn_norm, ntok, D, eps));
     if (blk->moe.n_expert > 0) {
@@ -518,6 +520,8 @@ int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer
     } else {
         LM_TRY(lm_glu_ffn(b, &blk->ffn, b->xb, ntok, b->xb));
     }
+    if (blk->post_ffn_norm != NULL)
+        LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->xb, blk->post_ffn_norm, ntok, D, eps));
     return lm_add_rows(b->x, b->xb, n);
 }
 
@@ -525,11 +529,12 @@ int lm_decoder_chunk(lm_base *b, const lm_decoder *d, lm_cache *cache, const int
                      int64_t ntok, int64_t pos0, float *logits, int64_t first_logit) {
     if (b == NULL || d == NULL || first_logit < 0 || first_logit > ntok) return LM_EINVAL;
     LM_TRY(lm_embed(b, d->token_embd, tokens, ntok));
+    if (d->embd_scale != 0.0f) LM_TRY(lm_scale_rows(b->x, d->embd_scale, ntok * b->n_embd));
     for (int l = 0; l < b->n_layer; l++) {
         LM_TRY(lm_decoder_block(b, &d->blocks[l], cache, l, ntok, pos0));
     }
     return lm_logits(b, d->output_norm, d->norm_eps, d->output, b->x + first_logit * b->n_embd,
-                     ntok - first_logit, 0.0f, logits);
+                     ntok - first_logit, d->logit_softcap, logits);
 }
 
 static int matrix_ok(lm_matrix m, int64_t cols) {
@@ -566,7 +571,9 @@ static int ffn_ok(const lm_block *blk, int64_t D) {
 }
 
 int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
-    if (b == NULL || d == NULL || d->blocks == NULL || d->output_norm == NULL) return LM_EINVAL;
+    if (b == NULL || d == NULL || d->blocks == NULL || d->output_norm == NULL ||
+        !isfinite(d->embd_scale) || !(d->logit_softcap >= 0.0f))
+        return LM_EINVAL;
     const int64_t D = b->n_embd;
     if (!matrix_ok(d->token_embd, D) || !matrix_ok(d->output, D)) return LM_ETYPE;
     for (int l = 0; l < b->n_layer; l++) {
@@ -618,7 +625,9 @@ int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64
     int status = out != NULL ? LM_OK : LM_EINVAL;
     for (int l = 0; status == LM_OK && l < m->n_layer; l++) {
         const lm_attn *a = &m->blocks[l].attn;
-        m->geometry[l] = (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim};
+        /* a sliding window keeps its window and one chunk's rows (written before attention) */
+        const int64_t ring = a->window > 0 ? a->window + n_batch : 0;
+        m->geometry[l] = (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim, ring};
     }
     m->dec.blocks = m->blocks;
     if (status == LM_OK) {

@@ -324,9 +324,10 @@ void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t
 int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *layers);
 
 /* ------------------------------------------------------------------ attention internals */
-/* lm_attention over K and V rows of kv_type (LM_F32 / LM_F16), row stride kv_stride elements. */
+/* lm_attention over K and V rows of kv_type (LM_F32 / LM_F16), row stride kv_stride elements;
+ * ring > 0: the rows are a ring, position p in row p % ring. */
 int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
-                       int64_t kv_stride, float *out, int64_t ntok, int64_t pos0, int n_head,
+                       int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0, int n_head,
                        int n_kv_head, int head_dim, float scale, int64_t window, float softcap);
 
 /* ------------------------------------------------------------------ pool internals */

@@ -112,17 +112,23 @@ int lm_softcap_rows(float *x, int64_t n, float cap);    /* x = cap * tanh(x / ca
 int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok);
 
 /* ------------------------------------------------------------------ KV cache
- * Per layer, K rows (n_ctx, n_kv_head * head_dim_k) and V rows (n_ctx, n_kv_head * head_dim_v)
- * stored as `type` (LM_F16 or LM_F32). Zeroed pages are mapped lazily, so memory follows the
- * positions actually written. */
+ * Per layer, K rows (rows, n_kv_head * head_dim_k) and V rows (rows, n_kv_head * head_dim_v)
+ * stored as `type` (LM_F16 or LM_F32): rows is n_ctx, or a ring's size (lm_cache_layer.ring,
+ * position p in row p % ring) when smaller. Zeroed pages are mapped lazily, so memory follows
+ * the positions actually written. A ring holds the last `ring` positions written: copies,
+ * state and attention over it are valid for positions still resident. */
 int lm_cache_new(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int type,
                  lm_cache **out);
 void lm_cache_free(lm_cache *cache);
 int64_t lm_cache_n_ctx(const lm_cache *cache);
 int lm_cache_type(const lm_cache *cache);
-/* Bytes one position takes in every layer (K and V). */
+/* Bytes one position takes in the layers with a row per position (K and V); ring layers
+ * (sliding windows) take a fixed size whatever the context. */
 int64_t lm_cache_bytes_per_pos(int n_layer, const lm_cache_layer *layers, int type);
-/* Positions [0, n) of every layer from src into dst (same geometry and type). */
+/* Bytes of a whole cache of n_ctx positions: every row of every layer, rings included. */
+int64_t lm_cache_bytes(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int type);
+/* Positions [0, n) of every layer from src into dst (same geometry and type); for a ring,
+ * the rows it holds. */
 int lm_cache_copy(const lm_cache *src, lm_cache *dst, int64_t n);
 /* Rows pos0.. of one layer from f32 k (ntok, kv_dim_k) and v (ntok, kv_dim_v), rounded to
  * the cache's type (round to nearest even). */

@@ -103,6 +103,9 @@ typedef struct lm_cache_layer {
     int n_kv_head;
     int head_dim_k;
     int head_dim_v;
+    int64_t ring;   /* 0: a row for every position of the context; > 0: a ring of `ring` rows,
+                       position p in row p % ring (a sliding-window layer keeps its window and
+                       one chunk: window + n_batch) */
 } lm_cache_layer;
 
 /* Self-attention of one layer: projections, optional per-head RMS norm of q and k, RoPE,
@@ -151,15 +154,18 @@ typedef struct lm_moe {
     int act;                /* enum lm_act */
 } lm_moe;
 
-/* A pre-norm decoder block:  x += attn(rmsnorm(x) * attn_norm)
- *                            x += ffn(rmsnorm(x) * ffn_norm)   (or the experts) */
+/* A pre-norm decoder block:  x += post_attn_norm(attn(rmsnorm(x) * attn_norm))
+ *                            x += post_ffn_norm(ffn(rmsnorm(x) * ffn_norm))   (or the experts)
+ * The post norms (Gemma's "sandwich") are skipped when NULL. */
 typedef struct lm_block {
-    float norm_eps;           /* of attn_norm and ffn_norm */
+    float norm_eps;           /* of every norm of the block */
     const float *attn_norm;   /* (n_embd) */
     lm_attn attn;
+    const float *post_attn_norm; /* (n_embd) RMS norm of the attention output, or NULL */
     const float *ffn_norm;    /* (n_embd) */
     lm_ffn ffn;               /* used when moe.n_expert == 0 */
     lm_moe moe;               /* n_expert > 0: a mixture of experts instead of ffn */
+    const float *post_ffn_norm;  /* (n_embd) RMS norm of the feed-forward output, or NULL */
 } lm_block;
 
 /* A decoder-only transformer of pre-norm blocks: embedding, blocks, final norm, output. */
@@ -168,7 +174,9 @@ typedef struct lm_decoder {
     const lm_block *blocks;   /* (n_layer) */
     const float *output_norm; /* (n_embd) */
     lm_matrix output;         /* (n_vocab, n_embd); token_embd when tied */
-    float norm_eps;           /* of the block and output norms */
+    float norm_eps;           /* of the output norm */
+    float embd_scale;         /* multiplies the embeddings (Gemma: sqrt(n_embd)); 0: none */
+    float logit_softcap;      /* cap * tanh(logit / cap); 0: none */
 } lm_decoder;
 
 /* The forward pass of one chunk of at most n_batch tokens at positions pos0..: writes their
@@ -209,7 +217,8 @@ typedef struct lm_base {
 typedef struct lm_decoder_model {
     lm_base base;             /* first: the kit drives the model through it */
     lm_decoder dec;           /* dec.blocks == blocks */
-    lm_rotary rope;           /* a place for the blocks' attn.rope to point to */
+    lm_rotary rope;           /* places for the blocks' attn.rope to point to: */
+    lm_rotary rope_swa;       /* e.g. global and sliding-window layers */
     lm_block *blocks;         /* (n_layer) */
     lm_cache_layer *geometry; /* (n_layer) derived from the blocks by lm_decoder_finish */
     int n_layer;
