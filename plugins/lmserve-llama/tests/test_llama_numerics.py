@@ -11,9 +11,7 @@ when they or the SmolLM2 package are missing. The reference model is loaded once
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,13 @@ from lmserve_llama.model import LlamaModel  # noqa: E402
 from lmserve_llama.plugin import default_model  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
+from lmserve_core.testing.numerics import (  # noqa: E402
+    chunk_nll,
+    gguf_reference,
+    greedy,
+    load_json,
+    reference_greedy,
+)
 from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -93,14 +98,7 @@ def tokenizer(gguf: GGUFFile) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: str) -> Any:
-    # One thread: on a busy 2-core machine torch's OpenMP barriers stall whenever the other
-    # core is taken (a 64-token forward measured 5 s with two threads, 0.35 s with one).
-    torch.set_num_threads(1)
-    directory, name = os.path.split(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
-    )
-    return model.eval()
+    return gguf_reference(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +110,7 @@ def text_ids(tokenizer: Tokenizer) -> list[int]:
 @pytest.fixture(scope="module")
 def llamacpp() -> dict[str, Any]:
     """llama-perplexity's run on the same text: its chunking rule, tokens and figure."""
-    if not LLAMACPP.exists():
-        pytest.skip(f"{LLAMACPP.name} (the llama.cpp reference run) is missing")
-    return dict(json.loads(LLAMACPP.read_text(encoding="utf-8")))
+    return load_json(LLAMACPP)
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -165,16 +161,6 @@ def test_teacher_forced_top1_agreement(
 
 
 # ---------------------------------------------------------------------------- (c) perplexity
-
-
-def chunk_nll(logits: np.ndarray, ids: list[int], first: int) -> tuple[float, int]:
-    """Summed NLL of ids[j + 1] given logits[j] for j in [first, len(ids) - 1)."""
-    scored = logits[first:-1].astype(np.float64)
-    targets = np.asarray(ids[first + 1 :])
-    top = scored.max(axis=1, keepdims=True)
-    log_z = top[:, 0] + np.log(np.exp(scored - top).sum(axis=1))
-    nll = log_z - scored[np.arange(len(targets)), targets]
-    return float(nll.sum()), len(targets)
 
 
 def test_perplexity_matches_transformers(
@@ -266,24 +252,8 @@ def test_greedy_continuation_matches_transformers(
     index: int, ours: LlamaModel, reference: Any, tokenizer: Tokenizer
 ) -> None:
     ids = prompt_ids(tokenizer, PROMPTS[index])
-    n_new = 32
-    with torch.no_grad():
-        out = reference.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n_new,
-            do_sample=False,
-            num_beams=1,
-            pad_token_id=reference.config.eos_token_id,
-        )
-    want = out[0, len(ids) :].tolist()  # shorter than n_new when it ends with EOS
-
-    cache = ours.new_cache(len(ids) + n_new)
-    logits = ours.forward(cache, ids, 0)
-    got: list[int] = []
-    for step in range(len(want)):
-        got.append(int(np.argmax(logits)))
-        logits = ours.forward(cache, [got[-1]], len(ids) + step)
+    want = reference_greedy(reference, ids, 32)  # shorter than 32 when it ends with EOS
+    got = greedy(ours, ids, len(want))
     print(f"prompt {index}: {tokenizer.decode(got)!r}")
     if got != want:
         # Only a near tie may flip a greedy choice: at the first divergence the reference's

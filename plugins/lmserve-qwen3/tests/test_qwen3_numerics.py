@@ -39,6 +39,7 @@ from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
+from lmserve_core.testing.numerics import greedy, reference_greedy  # noqa: E402
 from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -239,22 +240,9 @@ def test_greedy_continuations_match_transformers(kind: str, kv: str, synthetic: 
     n_new = 32
     for prompt in PROMPTS:
         ids = ref.ids(prompt)
-        with torch.no_grad(), ref.rounding(kv):
-            out = ref.hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=n_new,
-                min_new_tokens=n_new,
-                do_sample=False,
-                num_beams=1,
-            )
-        want = out[0, len(ids):].tolist()
-        cache = model.new_cache(len(ids) + n_new)
-        logits = model.forward(cache, ids, 0)
-        got: list[int] = []
-        for step in range(n_new):
-            got.append(int(np.argmax(logits)))
-            logits = model.forward(cache, [got[-1]], len(ids) + step)
+        with ref.rounding(kv):
+            want = reference_greedy(ref.hf, ids, n_new, exact=True)
+        got = greedy(model, ids, n_new)
         assert len(want) == n_new
         assert got == want, ref.tokenizer.decode(got)
 
