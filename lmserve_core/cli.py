@@ -198,13 +198,17 @@ def _gguf_architecture(path: str) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import gc
+
     import uvicorn
 
+    from . import memory
     from .app import create_app
     from .engine import Engine
     from .server import Server
 
     _check_ranges(args)
+    memory.fix_mmap_threshold()
     spec, model = _pick_backend(args)
     settings = ServerSettings(
         ctx=args.ctx,
@@ -221,6 +225,8 @@ def serve(args: argparse.Namespace) -> int:
         backend = spec.factory(model, settings)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load {model}: {exc}") from exc
+    gc.collect()
+    memory.trim()  # what loading the vocabulary and the weight table left behind
     if args.model_id:
         backend.model_id = args.model_id
     engine = Engine(backend, queue_size=args.queue)

@@ -28,6 +28,9 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 # Arrays of strings are read element by element; real vocabularies hold a few hundred
 # thousand entries, so this bounds what a hostile file can make the reader allocate.
 MAX_ARRAY_ITEMS = 1 << 22
+# Numeric arrays at least this long (a vocabulary's scores, token types) stay numpy views of
+# the file instead of lists.
+LARGE_ARRAY = 4096
 
 
 class GGUFError(ValueError):
@@ -293,6 +296,16 @@ class GGUFFile:
                 continue
             if key in reader.string_arrays:
                 metadata[key] = reader.string_arrays[key]
+                continue
+            if (
+                len(field.types) == 2
+                and field.types[0] == GGUFValueType.ARRAY
+                and field.types[1] in reader.gguf_scalar_to_np
+                and len(field.parts[-1]) >= LARGE_ARRAY
+            ):
+                # a vocabulary's scores or token types: a read-only view of the mapped file
+                # (a list of Python numbers would take 8 to 32 bytes per entry of heap)
+                metadata[key] = field.parts[-1]
                 continue
             try:
                 metadata[key] = field.contents()

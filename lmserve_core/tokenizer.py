@@ -13,9 +13,10 @@ from __future__ import annotations
 import codecs
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -244,7 +245,9 @@ class Tokenizer:
 
         self.model = model
         self._texts = texts
-        self._vocab = vocab
+        # text -> id: the dict while building, then the tokenizer library's own map (a
+        # Python dict of a 262k-token vocabulary would hold ~15 MB for the server's life)
+        self._lookup: Callable[[str], int | None] = vocab.get
         self._types = types
         self._bytes: list[bytes | None] = [None] * n
 
@@ -311,6 +314,7 @@ class Tokenizer:
             if merges is None:
                 raise TokenizerError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges")
             self._hf = _build_bpe(vocab, merges, _PRE_REGEXES[family], ignore_merges)
+        self._lookup = self._hf.token_to_id
 
     # -- construction -------------------------------------------------------------------------
 
@@ -386,7 +390,7 @@ class Tokenizer:
 
     def token_id(self, text: str) -> int | None:
         """The id of the token whose text is exactly ``text``, if there is one."""
-        return self._vocab.get(text)
+        return self._lookup(text)
 
     def token_text(self, token_id: int) -> str:
         """The token's text as stored in the vocabulary."""
@@ -505,7 +509,7 @@ class Tokenizer:
 
     def _find(self, texts: Iterable[str]) -> int | None:
         for t in texts:
-            i = self._vocab.get(t)
+            i = self._lookup(t)
             if i is not None:
                 return i
         return None
@@ -553,7 +557,10 @@ def _build_spm(
     # the highest-scoring vocabulary entry. A BPE whose merges are all such pairs, ranked by
     # that score, performs the same merges in the same order.
     # (A stable sort keeps equal scores in id order.)
-    order = sorted(range(len(texts)), key=scores.__getitem__, reverse=True)
+    if isinstance(scores, np.ndarray):
+        order = np.argsort(-scores[: len(texts)].astype(np.float64), kind="stable").tolist()
+    else:
+        order = sorted(range(len(texts)), key=scores.__getitem__, reverse=True)
     merges: list[tuple[str, str]] = []
     extend = merges.extend
     for i in order:
