@@ -291,7 +291,8 @@ class GGUFChatBackend:
                 text = self.template.render(
                     messages, tools=None, add_generation_prompt=True, **kwargs
                 )
-        return text
+        finish = self.conventions.finish_prompt
+        return text if finish is None else finish(text)
 
     @staticmethod
     def _thinking(request: NormalizedRequest) -> bool:

@@ -10,7 +10,7 @@ stop handling and event emission.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -112,6 +112,10 @@ class FamilyConventions:
     thinking_switch: str | None = None
     # Recommended sampling while the reasoning channel is on (None: ``sampling`` always).
     thinking_sampling: SamplingDefaults | None = None
+    # Finishes a chat prompt the template rendered with add_generation_prompt, before it is
+    # tokenized (None: as rendered); e.g. opens the model's turn where a template leaves the
+    # prompt at a closed turn.
+    finish_prompt: Callable[[str], str] | None = None
 
     def sampling_for(self, reasoning: bool) -> SamplingDefaults:
         """The sampling defaults of a request with the reasoning channel on or off."""

@@ -134,6 +134,10 @@ _EOT_TEXTS = (
 _EOM_TEXTS = ("<|eom_id|>",)
 # Rendered as user-defined text by llama.cpp (gpt-oss channel markup).
 _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+# End markers of vocabularies whose </s> is ordinary text (Gemma 4, PLaMo).
+_NORMAL_S_MARKERS = ("<|tool_response>", "<|plamo:eos|>")
+# Gemma 4's pre-tokenizer: runs of newlines apart from the rest.
+_NEWLINE_RUNS = re.compile(r"[^\n]+|\n+")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -254,6 +258,8 @@ class Tokenizer:
         def in_range(i: int | None) -> int | None:
             return i if i is not None and 0 <= i < n else None
 
+        bos_default: int | None
+        eos_default: int | None
         unk_default: int | None
         if model == "llama":
             self.pre = "default"
@@ -268,6 +274,13 @@ class Tokenizer:
             bos_default = eos_default = 11
             unk_default = None
             space_prefix_default = False
+        elif model == "gemma4":
+            # Gemma 4: a BPE over raw UTF-8 with SentencePiece's escaped spaces; llama.cpp
+            # always adds its BOS
+            self.pre = "gemma4"
+            bos_default = eos_default = unk_default = None
+            add_bos_default, space_prefix_default = True, False
+            add_bos = True
         else:
             raise TokenizerError(f"unsupported tokenizer model {model!r}")
 
@@ -291,6 +304,12 @@ class Tokenizer:
         for i in eog:
             types[i] = TokenType.CONTROL
         eog.update(i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None)
+        # Gemma 4 (and PLaMo) have a </s> that is ordinary text: llama.cpp keeps it out of
+        # the end-of-generation set when their own end markers are in it.
+        s_id = vocab.get("</s>")
+        if s_id in eog and any(texts[i] in _NORMAL_S_MARKERS for i in eog):
+            eog.discard(s_id)
+            types[s_id] = TokenType.NORMAL
         for text in _ALWAYS_USER_DEFINED:
             if text in vocab:
                 types[vocab[text]] = TokenType.USER_DEFINED
@@ -310,9 +329,13 @@ class Tokenizer:
 
         if model == "llama":
             self._hf = _build_spm(texts, vocab, scores, self.unk_id)
+        elif merges is None:
+            raise TokenizerError(f"a {model} (BPE) vocabulary needs tokenizer.ggml.merges")
+        elif model == "gemma4":
+            self._hf = HFTokenizer(
+                models.BPE(vocab=vocab, merges=_merge_pairs(vocab, merges), byte_fallback=True)
+            )
         else:
-            if merges is None:
-                raise TokenizerError("a gpt2 (BPE) vocabulary needs tokenizer.ggml.merges")
             self._hf = _build_bpe(vocab, merges, _PRE_REGEXES[family], ignore_merges)
         self._lookup = self._hf.token_to_id
 
@@ -427,16 +450,28 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", "\u2581")
-            try:
-                out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
-            except TypeError:
-                # Lone surrogates (possible in JSON input) are not encodable text.
-                frag = _SURROGATES.sub("\ufffd", frag)
-                out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
+            if self.model == "gemma4":
+                # split at newline runs; a run that is a token of its own is that token
+                for word in _NEWLINE_RUNS.findall(frag.replace(" ", "\u2581")):
+                    tid = self._lookup(word) if word[0] == "\n" else None
+                    if tid is not None:
+                        out.append(tid)
+                    else:
+                        out.extend(self._bpe(word))
+            else:
+                out.extend(self._bpe(frag))
             prev_special = False
         if add_special and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
         return out
+
+    def _bpe(self, text: str) -> list[int]:
+        try:
+            return list(self._hf.encode(text, add_special_tokens=False).ids)
+        except TypeError:
+            # Lone surrogates (possible in JSON input) are not encodable text.
+            text = _SURROGATES.sub("\ufffd", text)
+            return list(self._hf.encode(text, add_special_tokens=False).ids)
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         if not text:
@@ -475,7 +510,7 @@ class Tokenizer:
             return bytes([int(text[3:5], 16)])
         if kind != TokenType.NORMAL:
             return b""  # unused/undefined tokens print nothing in llama.cpp
-        if self.model == "llama":
+        if self.model in ("llama", "gemma4"):
             return text.replace("\u2581", " ").encode("utf-8")
         try:
             return bytes(_BYTE_DECODER[c] for c in text)
@@ -518,9 +553,8 @@ class Tokenizer:
         return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size})"
 
 
-def _build_bpe(
-    vocab: dict[str, int], merge_lines: Sequence[str], regexes: list[str], ignore_merges: bool
-) -> HFTokenizer:
+def _merge_pairs(vocab: dict[str, int], merge_lines: Sequence[str]) -> list[tuple[str, str]]:
+    """The merges of a BPE vocabulary as pairs, in rank order."""
     merges: list[tuple[str, str]] = []
     seen: set[tuple[str, str]] = set()
     for line in merge_lines:
@@ -537,6 +571,13 @@ def _build_bpe(
             continue
         seen.add(pair)
         merges.append(pair)
+    return merges
+
+
+def _build_bpe(
+    vocab: dict[str, int], merge_lines: Sequence[str], regexes: list[str], ignore_merges: bool
+) -> HFTokenizer:
+    merges = _merge_pairs(vocab, merge_lines)
     model = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
     tok = HFTokenizer(model)
     steps: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]

@@ -486,6 +486,26 @@ def test_prompt_is_rendered_once_per_request(
     assert len(calls) == 1
 
 
+def test_finish_prompt_completes_each_rendered_chat_prompt(gguf: GGUFFile) -> None:
+    seen: list[str] = []
+
+    def finish(text: str) -> str:
+        seen.append(text)
+        return text + "Sure"
+
+    backend = make_backend(gguf, [IM_END], finish_prompt=finish)
+    request = chat("hi")
+    tokens, text = backend._prompt_tokens(request)
+    assert seen == [text.removesuffix("Sure")] and text.endswith("<|im_start|>assistant\nSure")
+    assert tokens == ids(backend, text)
+    assert backend.count_tokens(request) == len(tokens)
+    # raw completion prompts are not chat renderings: left as they are
+    raw = NormalizedRequest(id="raw", dialect="completions", prompt="hi", sampling=GREEDY)
+    assert backend._prompt_tokens(raw) == (backend.tokenize("hi", add_special=True,
+                                                            parse_special=True), None)
+    assert len(seen) == 2
+
+
 def test_seeded_sampling_is_reproducible(gguf: GGUFFile) -> None:
     backend = make_backend(gguf)  # noise logits: the draw decides everything
     seeded = Sampling(temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, seed=7)

@@ -16,9 +16,10 @@ glibc = pytest.mark.skipif(
 
 
 def _anon_kib() -> int:
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("Anonymous:"):
-            return int(line.split()[1])
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1])
     raise AssertionError("no Anonymous line")
 
 

