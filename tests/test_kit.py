@@ -3,7 +3,9 @@ independent reference (numpy, and transformers' own RoPE initialisers where inst
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +266,81 @@ def test_matmuls_equal_separate_products(ntok: int, rng: np.random.Generator) ->
         together = K.matmuls(products, pool)
         for (qtype, raw, rows, cols, x), got in zip(products, together, strict=True):
             np.testing.assert_array_equal(got, K.matmul(qtype, raw, rows, cols, x, pool))
+
+
+# ---------------------------------------------------------------------------- experts
+
+
+@contextlib.contextmanager
+def layer_base(n_embd: int, n_batch: int) -> Iterator[Any]:
+    """An lm_base for the layer helpers alone (its chunk function is never run)."""
+    from lmserve_core._kernels import ffi, lib
+
+    chunk = ffi.callback("lm_chunk_fn", lambda *args: -1)
+    layer = ffi.new("lm_cache_layer *", {"n_kv_head": 1, "head_dim_k": 8, "head_dim_v": 8})
+    base = ffi.new("lm_base *")
+    assert lib.lm_base_init(base, 2, n_batch, 16, n_embd, 1, layer, chunk, ffi.NULL) == 0
+    try:
+        yield base
+    finally:
+        lib.lm_base_free(base)
+
+
+@pytest.mark.parametrize("ntok", [1, 6])
+def test_moe_experts_split_and_fused_match_reference(ntok: int, rng: np.random.Generator) -> None:
+    from lmserve_core._kernels import ffi, lib
+
+    E, K_used, D, FF = 5, 2, 32, 24
+    gate, up = (rng.standard_normal((E, FF, D)).astype(np.float32) / 4 for _ in range(2))
+    down = rng.standard_normal((E, D, FF)).astype(np.float32) / 4
+    fused = np.ascontiguousarray(np.concatenate([gate, up], axis=1))  # per expert: gate, up
+    x = rng.standard_normal((ntok, D)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K_used, replace=False) for _ in range(ntok)]).astype(np.int32)
+    w = rng.random((ntok, K_used)).astype(np.float32)
+    want = np.zeros((ntok, D), np.float32)
+    for t in range(ntok):
+        for e, wt in zip(ids[t], w[t], strict=True):
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            want[t] += wt * (down[e] @ (g / (1 + np.exp(-g)) * u))
+
+    def matrix(a: K.F32Array) -> dict[str, Any]:
+        return {"data": ffi.from_buffer(a), "type": int(K.QuantType.F32)}
+
+    sizes = {"n_expert": E, "n_used": K_used, "n_ff": FF, "act": int(K.Activation.SILU)}
+    split = ffi.new("lm_moe *", {"gate_exps": matrix(gate), "up_exps": matrix(up),
+                                 "down_exps": matrix(down), **sizes})
+    one = ffi.new("lm_moe *", {"gate_up_exps": matrix(fused), "down_exps": matrix(down), **sizes})
+    ids_p, w_p = ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", w)
+
+    def run(base: Any, m: Any, ids: Any, w: Any, x: K.F32Array, y: K.F32Array) -> int:
+        xp, yp = ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y)
+        return int(lib.lm_moe_experts(base, m, xp, ntok, ids, w, yp))
+
+    with layer_base(D, 8) as base:
+        got = np.empty((ntok, D), np.float32)
+        assert run(base, split, ids_p, w_p, x, got) == 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        y = np.empty_like(got)
+        assert run(base, one, ids_p, w_p, x, y) == 0
+        np.testing.assert_array_equal(y, got)
+        xy = x.copy()  # y may be x
+        assert lib.lm_moe_experts(base, one, ffi.from_buffer("float[]", xy), ntok, ids_p, w_p,
+                                  ffi.from_buffer("float[]", xy)) == 0
+        np.testing.assert_array_equal(xy, got)
+        bad = ids.copy()
+        bad[-1, -1] = E
+        assert run(base, split, ffi.from_buffer("int32_t[]", bad), w_p, x, y) == lib.LM_EINVAL
+
+    with layer_base(D, 8) as base:
+        # a routing in the base's scratch is kept while the experts' scratch grows past it
+        tmp = lib.lm_base_tmp(base, 64 + w.nbytes)
+        ids_t, w_t = ffi.cast("int32_t *", tmp), ffi.cast("float *", ffi.cast("char *", tmp) + 64)
+        ffi.memmove(ids_t, ids.tobytes(), ids.nbytes)
+        ffi.memmove(w_t, w.tobytes(), w.nbytes)
+        y = np.empty_like(got)
+        assert run(base, split, ids_t, w_t, x, y) == 0
+        assert base.tmp != tmp
+        np.testing.assert_array_equal(y, got)
 
 
 # ---------------------------------------------------------------------------- metadata

@@ -259,17 +259,20 @@ void lm_base_free(lm_base *b) {
     b->tmp_bytes = 0;
 }
 
-void *lm_base_tmp(lm_base *b, size_t bytes) {
-    if (b == NULL) return NULL;
+/* The scratch grown to at least `bytes`, its first `keep` bytes kept. */
+static void *tmp_grow(lm_base *b, size_t bytes, size_t keep) {
     if (bytes > b->tmp_bytes) {
         void *p = lm_aligned_alloc(bytes);
         if (p == NULL) return NULL;
+        if (keep > 0) memcpy(p, b->tmp, keep);
         lm_aligned_free(b->tmp);
         b->tmp = p;
         b->tmp_bytes = bytes;
     }
     return b->tmp;
 }
+
+void *lm_base_tmp(lm_base *b, size_t bytes) { return b == NULL ? NULL : tmp_grow(b, bytes, 0); }
 
 int lm_base_threads(const lm_base *b) { return b == NULL ? 0 : lm_pool_size(b->pool); }
 
@@ -282,17 +285,23 @@ void lm_model_free(lm_base *b) {
     }
 }
 
-/* Carve 64-byte aligned float arrays of the given lengths out of the base's scratch. */
-static int carve(lm_base *b, int n, float **out[], const int64_t *lens) {
-    size_t total = 0;
+/* Carve 64-byte aligned float arrays of the given lengths out of the base's scratch, after
+ * its first `keep` bytes (a multiple of 64, kept). */
+static int carve_after(lm_base *b, size_t keep, int n, float **out[], const int64_t *lens) {
+    size_t total = keep;
     for (int i = 0; i < n; i++) total += ((size_t)lens[i] * sizeof(float) + 63) & ~(size_t)63;
-    uint8_t *mem = lm_base_tmp(b, total);
+    uint8_t *mem = tmp_grow(b, total, keep);
     if (mem == NULL) return LM_ENOMEM;
+    mem += keep;
     for (int i = 0; i < n; i++) {
         *out[i] = (float *)mem;
         mem += ((size_t)lens[i] * sizeof(float) + 63) & ~(size_t)63;
     }
     return LM_OK;
+}
+
+static int carve(lm_base *b, int n, float **out[], const int64_t *lens) {
+    return carve_after(b, 0, n, out, lens);
 }
 
 /* ============================================================================ layer helpers */
@@ -401,35 +410,76 @@ int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
     return LM_OK;
 }
 
-static const uint8_t *expert(lm_matrix t, int e, int64_t rows, int64_t cols) {
-    return (const uint8_t *)t.data + (size_t)e * (size_t)rows * (size_t)lm_row_bytes(t.type, cols);
+/* Rows [row0, ..) of t, rows of `cols` elements. */
+static lm_matrix rows_from(lm_matrix t, int64_t row0, int64_t cols) {
+    const size_t at = (size_t)row0 * (size_t)lm_row_bytes(t.type, cols);
+    const lm_matrix out = {(const uint8_t *)t.data + at, t.type};
+    return out;
 }
 
-int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y) {
-    if (b == NULL || m == NULL || x == NULL || y == NULL || ntok < 0 || ntok > b->n_batch ||
-        m->n_expert <= 0 || m->n_used <= 0 || m->n_used > m->n_expert || m->n_expert > 4096 ||
-        m->n_ff <= 0 || layer < 0 || layer >= b->n_layer)
+/* The gate (half 0) or up (half 1) matrix (n_ff, n_embd) of expert e. */
+static lm_matrix expert_in(const lm_moe *m, int e, int half, int64_t D) {
+    const int64_t FF = m->n_ff;
+    if (m->gate_up_exps.data != NULL)
+        return rows_from(m->gate_up_exps, (int64_t)e * 2 * FF + half * FF, D);
+    return rows_from(half ? m->up_exps : m->gate_exps, (int64_t)e * FF, D);
+}
+
+/* Bytes from the start of the base's scratch to the end of p[0, bytes), 0 when p is not in
+ * the scratch. */
+static size_t tmp_reach(const lm_base *b, const void *p, size_t bytes) {
+    const uintptr_t lo = (uintptr_t)b->tmp, at = (uintptr_t)p;
+    if (b->tmp == NULL || p == NULL || at < lo || at >= lo + b->tmp_bytes) return 0;
+    return (size_t)(at - lo) + bytes;
+}
+
+/* p, when it pointed into the first `keep` bytes of a scratch at `old` since moved to `now`,
+ * at its place there. */
+static void *tmp_follow(const void *p, uintptr_t old, size_t keep, uint8_t *now) {
+    const uintptr_t at = (uintptr_t)p;
+    if (p == NULL || at < old || at >= old + keep) return (void *)p;
+    return now + (at - old);
+}
+
+/* Most experts one dispatch per stage takes at decode. */
+#define MOE_BATCHED 64
+
+int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, const int32_t *ids,
+                   const float *w, float *y) {
+    if (b == NULL || m == NULL || x == NULL || ids == NULL || w == NULL || y == NULL ||
+        ntok < 0 || ntok > b->n_batch || m->n_expert <= 0 || m->n_used <= 0 ||
+        m->n_used > m->n_expert || m->n_expert > 4096 || m->n_ff <= 0 ||
+        m->down_exps.data == NULL ||
+        (m->gate_up_exps.data == NULL && (m->gate_exps.data == NULL || m->up_exps.data == NULL)))
         return LM_EINVAL;
     if (ntok == 0) return LM_OK;
     const int64_t D = b->n_embd, FF = m->n_ff;
     const int E = m->n_expert, K = m->n_used;
     const int64_t NK = ntok * K; /* (token, choice) pairs */
-    float *logits, *wts, *xe, *he, *he2, *oe, *ids_f, *order_f, *count_f;
-    float **bufs[] = {&logits, &wts, &xe, &he, &he2, &oe, &ids_f, &order_f, &count_f};
-    const int64_t lens[] = {ntok * E, NK, NK * D, NK * FF, NK * FF, NK * D, NK, NK, E + 1};
-    LM_TRY(carve(b, 9, bufs, lens));
-    int32_t *ids = (int32_t *)ids_f, *order = (int32_t *)order_f, *start = (int32_t *)count_f;
-    lm_pool *pool = b->pool;
+    for (int64_t i = 0; i < NK; i++)
+        if (ids[i] < 0 || ids[i] >= E) return LM_EINVAL;
 
-    LM_TRY(lm_matmul(pool, m->router.type, m->router.data, E, D, x, ntok, logits));
-    for (int64_t t = 0; t < ntok; t++)
-        LM_TRY(lm_moe_route(m, logits + t * E, ids + t * K, wts + t * K));
-    lm_trace *tr = b->trace;
-    if (tr != NULL && tr->n_used == K && b->trace_row + ntok <= tr->cap) {
-        const size_t at = ((size_t)layer * (size_t)tr->cap + (size_t)b->trace_row) * (size_t)K;
-        memcpy(tr->ids + at, ids, sizeof(int32_t) * (size_t)NK);
-        memcpy(tr->weights + at, wts, sizeof(float) * (size_t)NK);
+    /* The caller's arrays may lie in the scratch (its routing, carved before this call):
+     * the experts' scratch goes after them, and they move with it when it grows. */
+    size_t keep = tmp_reach(b, ids, sizeof(int32_t) * (size_t)NK);
+    const size_t reach[] = {tmp_reach(b, w, sizeof(float) * (size_t)NK),
+                            tmp_reach(b, x, sizeof(float) * (size_t)(ntok * D)),
+                            tmp_reach(b, y, sizeof(float) * (size_t)(ntok * D))};
+    for (int i = 0; i < 3; i++) keep = reach[i] > keep ? reach[i] : keep;
+    keep = (keep + 63) & ~(size_t)63;
+    float *xe, *he, *he2, *oe, *order_f, *start_f;
+    float **bufs[] = {&xe, &he, &he2, &oe, &order_f, &start_f};
+    const int64_t lens[] = {NK * D, NK * FF, NK * FF, NK * D, NK, E + 1};
+    const uintptr_t old = (uintptr_t)b->tmp;
+    LM_TRY(carve_after(b, keep, 6, bufs, lens));
+    if ((uintptr_t)b->tmp != old && keep > 0) {
+        ids = tmp_follow(ids, old, keep, b->tmp);
+        w = tmp_follow(w, old, keep, b->tmp);
+        x = tmp_follow(x, old, keep, b->tmp);
+        y = tmp_follow(y, old, keep, b->tmp);
     }
+    int32_t *order = (int32_t *)order_f, *start = (int32_t *)start_f;
+    lm_pool *pool = b->pool;
 
     /* Group the pairs by expert: order[] lists pair indices expert by expert, so each
      * chosen expert's matrices are read once for all of its tokens. */
@@ -450,17 +500,15 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
         const int64_t n = start[e + 1] - start[e];
         max_rows = n > max_rows ? n : max_rows;
     }
-    if (max_rows == 1 && NK <= 64) {
-        lm_mm gu[128], dn[64];
+    if (max_rows == 1 && NK <= MOE_BATCHED) {
+        lm_mm gu[2 * MOE_BATCHED], dn[MOE_BATCHED];
         int n_gu = 0, n_dn = 0;
         for (int e = 0; e < E; e++) {
             const int64_t r = start[e];
             if (start[e + 1] == r) continue;
-            gu[n_gu++] = (lm_mm){{expert(m->gate_exps, e, FF, D), m->gate_exps.type}, FF, D,
-                                 xe + r * D, he + r * FF};
-            gu[n_gu++] = (lm_mm){{expert(m->up_exps, e, FF, D), m->up_exps.type}, FF, D,
-                                 xe + r * D, he2 + r * FF};
-            dn[n_dn++] = (lm_mm){{expert(m->down_exps, e, D, FF), m->down_exps.type}, D, FF,
+            gu[n_gu++] = (lm_mm){expert_in(m, e, 0, D), FF, D, xe + r * D, he + r * FF};
+            gu[n_gu++] = (lm_mm){expert_in(m, e, 1, D), FF, D, xe + r * D, he2 + r * FF};
+            dn[n_dn++] = (lm_mm){rows_from(m->down_exps, (int64_t)e * D, FF), D, FF,
                                  he + r * FF, oe + r * D};
         }
         LM_TRY(lm_matmuls(pool, gu, n_gu, 1));
@@ -471,8 +519,8 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
             const int64_t r = start[e], n = start[e + 1] - r;
             if (n == 0) continue;
             const lm_mm gu[2] = {
-                {{expert(m->gate_exps, e, FF, D), m->gate_exps.type}, FF, D, xe + r * D, he + r * FF},
-                {{expert(m->up_exps, e, FF, D), m->up_exps.type}, FF, D, xe + r * D, he2 + r * FF},
+                {expert_in(m, e, 0, D), FF, D, xe + r * D, he + r * FF},
+                {expert_in(m, e, 1, D), FF, D, xe + r * D, he2 + r * FF},
             };
             LM_TRY(lm_matmuls(pool, gu, 2, n));
         }
@@ -480,8 +528,8 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
         for (int e = 0; e < E; e++) {
             const int64_t r = start[e], n = start[e + 1] - r;
             if (n == 0) continue;
-            LM_TRY(lm_matmul(pool, m->down_exps.type, expert(m->down_exps, e, D, FF), D,
-                                      FF, he + r * FF, n, oe + r * D));
+            const lm_matrix down = rows_from(m->down_exps, (int64_t)e * D, FF);
+            LM_TRY(lm_matmul(pool, down.type, down.data, D, FF, he + r * FF, n, oe + r * D));
         }
     }
 
@@ -490,9 +538,37 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
     memset(y, 0, sizeof(float) * (size_t)(ntok * D));
     for (int64_t r = 0; r < NK; r++) {
         const int32_t i = order[r];
-        lm_kernels_active()->axpy_f32(y + (i / K) * D, wts[i], oe + r * D, D);
+        lm_kernels_active()->axpy_f32(y + (i / K) * D, w[i], oe + r * D, D);
     }
     return LM_OK;
+}
+
+int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y) {
+    if (b == NULL || m == NULL || x == NULL || y == NULL || ntok < 0 || ntok > b->n_batch ||
+        m->n_expert <= 0 || m->n_used <= 0 || m->n_used > m->n_expert || m->n_expert > 4096 ||
+        m->n_ff <= 0 || layer < 0 || layer >= b->n_layer)
+        return LM_EINVAL;
+    if (ntok == 0) return LM_OK;
+    const int64_t D = b->n_embd;
+    const int E = m->n_expert, K = m->n_used;
+    const int64_t NK = ntok * K; /* (token, choice) pairs */
+    /* the routing first in the scratch: lm_moe_experts keeps it and reuses the logits' place */
+    float *wts, *ids_f, *logits;
+    float **bufs[] = {&wts, &ids_f, &logits};
+    const int64_t lens[] = {NK, NK, ntok * E};
+    LM_TRY(carve(b, 3, bufs, lens));
+    int32_t *ids = (int32_t *)ids_f;
+
+    LM_TRY(lm_matmul(b->pool, m->router.type, m->router.data, E, D, x, ntok, logits));
+    for (int64_t t = 0; t < ntok; t++)
+        LM_TRY(lm_moe_route(m, logits + t * E, ids + t * K, wts + t * K));
+    lm_trace *tr = b->trace;
+    if (tr != NULL && tr->n_used == K && b->trace_row + ntok <= tr->cap) {
+        const size_t at = ((size_t)layer * (size_t)tr->cap + (size_t)b->trace_row) * (size_t)K;
+        memcpy(tr->ids + at, ids, sizeof(int32_t) * (size_t)NK);
+        memcpy(tr->weights + at, wts, sizeof(float) * (size_t)NK);
+    }
+    return lm_moe_experts(b, m, x, ntok, ids, wts, y);
 }
 
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
@@ -563,8 +639,10 @@ static int ffn_ok(const lm_block *blk, int64_t D) {
     if (blk->moe.n_expert > 0) {
         const lm_moe *m = &blk->moe;
         if (m->n_used <= 0 || m->n_used > m->n_expert || m->n_ff <= 0) return LM_EINVAL;
-        if (!matrix_ok(m->router, D) || !matrix_ok(m->gate_exps, D) ||
-            !matrix_ok(m->up_exps, D) || !matrix_ok(m->down_exps, m->n_ff))
+        const int fused = m->gate_up_exps.data != NULL;
+        if (!matrix_ok(m->router, D) || !matrix_ok(m->down_exps, m->n_ff) ||
+            (fused && !matrix_ok(m->gate_up_exps, D)) ||
+            (!fused && (!matrix_ok(m->gate_exps, D) || !matrix_ok(m->up_exps, D))))
             return LM_ETYPE;
         return LM_OK;
     }

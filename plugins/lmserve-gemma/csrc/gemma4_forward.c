@@ -126,23 +126,24 @@ static int g4_attention(gemma4_model *m, int layer, lm_cache *cache, const float
 
 /* ============================================================================ experts */
 
-/* One token's routing: a softmax over every expert, the top K renormalised to sum to 1, each
- * times its expert's scale. */
-static int g4_route(const gemma4_layer *L, int E, int K, float *logits, int32_t *ids, float *w) {
-    const lm_moe gate = {.n_expert = E, .n_used = K, .gating = LM_GATING_SOFTMAX,
-                         .norm_weights = 1, .weights_scale = 1.0f};
-    LM_TRY(lm_moe_route(&gate, logits, ids, w));
-    if (L->down_exps_scale != NULL)
-        for (int k = 0; k < K; k++) w[k] *= L->down_exps_scale[ids[k]];
-    return LM_OK;
+/* The experts of a layer: a softmax over every expert, the top K renormalised to sum to 1,
+ * GELU-tanh gated. */
+static lm_moe g4_experts(const gemma4_model *m, const gemma4_layer *L) {
+    const lm_moe moe = {.router = L->router, .gate_exps = L->gate_exps, .up_exps = L->up_exps,
+                        .gate_up_exps = L->gate_up_exps, .down_exps = L->down_exps,
+                        .n_expert = m->c.n_expert, .n_used = m->c.n_expert_used,
+                        .n_ff = L->n_ff_exp, .gating = LM_GATING_SOFTMAX, .norm_weights = 1,
+                        .weights_scale = 1.0f, .act = LM_ACT_GELU_TANH};
+    return moe;
 }
 
-/* The gate (half 0) or up (half 1) matrix of expert e. */
-static lm_matrix g4_expert_in(const gemma4_layer *L, int e, int half, int64_t D) {
-    const int64_t FF = L->n_ff_exp;
-    if (L->gate_up_exps.data != NULL)
-        return g4_rows_from(L->gate_up_exps, (int64_t)e * 2 * FF + half * FF, D);
-    return g4_rows_from(half ? L->up_exps : L->gate_exps, (int64_t)e * FF, D);
+/* One token's routing, each chosen weight times its expert's scale. */
+static int g4_route(const gemma4_layer *L, const lm_moe *moe, float *logits, int32_t *ids,
+                    float *w) {
+    LM_TRY(lm_moe_route(moe, logits, ids, w));
+    if (L->down_exps_scale != NULL)
+        for (int k = 0; k < moe->n_used; k++) w[k] *= L->down_exps_scale[ids[k]];
+    return LM_OK;
 }
 
 /* y (n, n_embd) = the routed experts of the layer over the rows h (n, n_embd) of the
@@ -150,14 +151,16 @@ static lm_matrix g4_expert_in(const gemma4_layer *L, int e, int half, int64_t D)
 static int g4_moe(gemma4_model *m, int layer, const float *h, int64_t n, int64_t row0, float *y) {
     lm_base *b = &m->base;
     const gemma4_layer *L = &m->layers[layer];
-    const int64_t D = b->n_embd, FF = L->n_ff_exp;
-    const int E = m->c.n_expert, K = m->c.n_expert_used;
+    const lm_moe moe = g4_experts(m, L);
+    const int64_t D = b->n_embd;
+    const int E = moe.n_expert, K = moe.n_used;
     const int64_t NK = n * K; /* (token, choice) pairs */
-    float *r, *logits, *wts, *xe, *he, *he2, *oe, *ids_f, *order_f, *start_f;
-    float **bufs[] = {&r, &logits, &wts, &xe, &he, &he2, &oe, &ids_f, &order_f, &start_f};
-    const int64_t lens[] = {n * D, n * E, NK, NK * D, NK * FF, NK * FF, NK * D, NK, NK, E + 1};
-    LM_TRY(g4_carve(b, 10, bufs, lens));
-    int32_t *ids = (int32_t *)ids_f, *order = (int32_t *)order_f, *start = (int32_t *)start_f;
+    /* the routing first: lm_moe_experts keeps it and reuses the rest of the scratch */
+    float *wts, *ids_f, *r, *logits;
+    float **bufs[] = {&wts, &ids_f, &r, &logits};
+    const int64_t lens[] = {NK, NK, n * D, n * E};
+    LM_TRY(g4_carve(b, 4, bufs, lens));
+    int32_t *ids = (int32_t *)ids_f;
     lm_pool *pool = b->pool;
 
     /* router: rmsnorm(h) / sqrt(n_embd) * router_scale */
@@ -165,7 +168,7 @@ static int g4_moe(gemma4_model *m, int layer, const float *h, int64_t n, int64_t
     LM_TRY(lm_scale_rows(r, 1.0f / sqrtf((float)D), n * D));
     LM_TRY(lm_matmul(pool, L->router.type, L->router.data, E, D, r, n, logits));
     for (int64_t t = 0; t < n; t++)
-        LM_TRY(g4_route(L, E, K, logits + t * E, ids + t * K, wts + t * K));
+        LM_TRY(g4_route(L, &moe, logits + t * E, ids + t * K, wts + t * K));
     lm_trace *tr = b->trace;
     if (tr != NULL && tr->n_used == K && b->trace_row + row0 + n <= tr->cap) {
         const size_t at =
@@ -176,66 +179,7 @@ static int g4_moe(gemma4_model *m, int layer, const float *h, int64_t n, int64_t
 
     /* the experts' input, into y while it is free */
     LM_TRY(lm_rmsnorm_rows(pool, y, h, L->pre_ffn_norm_2, n, D, m->c.rms_eps));
-
-    /* group the pairs by expert: each chosen expert's matrices are read once */
-    memset(start, 0, sizeof(int32_t) * (size_t)(E + 1));
-    for (int64_t i = 0; i < NK; i++) start[ids[i] + 1]++;
-    for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    for (int64_t i = 0; i < NK; i++) order[start[ids[i]]++] = (int32_t)i;
-    for (int e = E; e > 0; e--) start[e] = start[e - 1];
-    start[0] = 0;
-    int64_t max_rows = 0;
-    for (int e = 0; e < E; e++) {
-        const int64_t cnt = start[e + 1] - start[e];
-        max_rows = cnt > max_rows ? cnt : max_rows;
-    }
-    for (int64_t i = 0; i < NK; i++)
-        memcpy(xe + i * D, y + (order[i] / K) * D, sizeof(float) * (size_t)D);
-
-    if (max_rows == 1 && NK <= G4_MAX_USED) {
-        /* decode: every chosen expert in one pool dispatch per stage */
-        lm_mm gu[2 * G4_MAX_USED], dn[G4_MAX_USED];
-        int n_gu = 0, n_dn = 0;
-        for (int e = 0; e < E; e++) {
-            const int64_t i = start[e];
-            if (start[e + 1] == i) continue;
-            gu[n_gu++] = (lm_mm){g4_expert_in(L, e, 0, D), FF, D, xe + i * D, he + i * FF};
-            gu[n_gu++] = (lm_mm){g4_expert_in(L, e, 1, D), FF, D, xe + i * D, he2 + i * FF};
-            dn[n_dn++] = (lm_mm){g4_rows_from(L->down_exps, (int64_t)e * D, FF), D, FF,
-                                 he + i * FF, oe + i * D};
-        }
-        LM_TRY(lm_matmuls(pool, gu, n_gu, 1));
-        LM_TRY(lm_glu_rows(pool, he, he, he2, NK * FF, LM_ACT_GELU_TANH));
-        LM_TRY(lm_matmuls(pool, dn, n_dn, 1));
-    } else {
-        for (int e = 0; e < E; e++) {
-            const int64_t i = start[e], cnt = start[e + 1] - i;
-            if (cnt == 0) continue;
-            const lm_mm gu[2] = {
-                {g4_expert_in(L, e, 0, D), FF, D, xe + i * D, he + i * FF},
-                {g4_expert_in(L, e, 1, D), FF, D, xe + i * D, he2 + i * FF},
-            };
-            LM_TRY(lm_matmuls(pool, gu, 2, cnt));
-        }
-        LM_TRY(lm_glu_rows(pool, he, he, he2, NK * FF, LM_ACT_GELU_TANH));
-        for (int e = 0; e < E; e++) {
-            const int64_t i = start[e], cnt = start[e + 1] - i;
-            if (cnt == 0) continue;
-            const lm_matrix down = g4_rows_from(L->down_exps, (int64_t)e * D, FF);
-            LM_TRY(lm_matmul(pool, down.type, down.data, D, FF, he + i * FF, cnt, oe + i * D));
-        }
-    }
-
-    /* y[t] = sum over its choices of weight * expert output */
-    memset(y, 0, sizeof(float) * (size_t)(n * D));
-    for (int64_t i = 0; i < NK; i++) {
-        const int32_t pair = order[i];
-        const float w = wts[pair];
-        float *yt = y + (int64_t)(pair / K) * D;
-        const float *o = oe + i * D;
-        for (int64_t d = 0; d < D; d++) yt[d] += w * o[d];
-    }
-    return LM_OK;
+    return lm_moe_experts(b, &moe, y, n, ids, wts, y);
 }
 
 /* ============================================================================ layers */

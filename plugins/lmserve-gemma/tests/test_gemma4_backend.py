@@ -68,11 +68,15 @@ def test_conventions() -> None:
 def test_a_prompt_left_at_a_closed_turn_opens_the_models_turn() -> None:
     finish = plugin.gemma4_conventions().finish_prompt
     assert finish is not None
-    closed = "<|turn>user\nhi<turn|>\n<|turn>model\nok<|tool_response>x<tool_response|>done<turn|>\n"
+    closed = (
+        "<|turn>user\nhi<turn|>\n<|turn>model\nok<|tool_response>x<tool_response|>done<turn|>\n"
+    )
     assert finish(closed) == closed + "<|turn>model\n"
-    for prompt in ("<|turn>user\nhi<turn|>\n<|turn>model\n",
-                   "<|turn>user\nhi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>",
-                   "<|tool_response>response:f{value:1}<tool_response|>"):
+    for prompt in (
+        "<|turn>user\nhi<turn|>\n<|turn>model\n",
+        "<|turn>user\nhi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>",
+        "<|tool_response>response:f{value:1}<tool_response|>",
+    ):
         assert finish(prompt) == prompt
 
 
@@ -179,8 +183,13 @@ def conversation(history: str, *, reference: bool) -> list[dict[str, Any]]:
 @pytest.mark.reference
 @pytest.mark.parametrize(
     ("history", "tools"),
-    [("plain", False), ("plain", True), ("follow-up", True), ("loop", True),
-     ("loop-no-text", True)],
+    [
+        ("plain", False),
+        ("plain", True),
+        ("follow-up", True),
+        ("loop", True),
+        ("loop-no-text", True),
+    ],
     ids=["plain", "plain-tools", "follow-up", "loop", "loop-no-text"],
 )
 @pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
@@ -216,7 +225,7 @@ def test_prompt_tokens_are_what_transformers_renders(
     assert tokens == hf_tokenizer.encode(expected, add_special_tokens=False)
     assert expected.startswith(hf_tokenizer.bos_token)
     # the BOS the template writes is the one the vocabulary adds
-    assert text == expected[len(hf_tokenizer.bos_token):]
+    assert text == expected[len(hf_tokenizer.bos_token) :]
     assert tokens[0] == hf_tokenizer.bos_token_id and tokens.count(tokens[0]) == 1
     if history == "plain":
         primed = "" if thinking else "<|channel>thought\n<channel|>"
@@ -254,3 +263,44 @@ def test_a_reply_is_generated_by_the_model(srv: Served) -> None:
             break
         logits = model.forward(cache, [greedy[-1]], len(tokens) + step)
     assert out["choices"][0]["message"]["content"] == srv.backend.tokenizer.decode(greedy)
+
+
+@pytest.mark.parametrize("args", [(), ("--backend", "gemma")], ids=["detected", "named"])
+def test_lmserve_serves_a_gemma4_file(args: tuple[str, ...], synthetic: Any, tmp_path: Any) -> None:
+    # a real process: without --backend the file's architecture picks the gemma family
+    import sys
+    from pathlib import Path
+
+    openai = pytest.importorskip("openai")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    from processes import API_KEY, launch
+
+    path, _ = synthetic(kind="gemma4-moe", type="q8_0")
+    server = launch(
+        *args,
+        str(path),
+        "--ctx",
+        "512",
+        "--threads",
+        "2",
+        scripted=False,
+        log_dir=tmp_path,
+        timeout=120,
+    )
+    try:
+        with openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0
+        ) as client:
+            assert client.models.list().data[0].id
+            reply = client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": ASK}],
+                max_tokens=6,
+                temperature=0,
+            )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage is not None and reply.usage.prompt_tokens > 5
+    finally:
+        assert server.stop() == 0
+    log = server.log_text()  # the start-up line names the backend that serves the file
+    assert "backend=gemma" in log or '"backend": "gemma"' in log, log[-2000:]

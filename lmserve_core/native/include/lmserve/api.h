@@ -66,6 +66,10 @@
       (b, m, layer, x, ntok, y))                                                                   \
     X(int, lm_moe_route, (const lm_moe * m, float *logits, int32_t *ids, float *w),             \
       (m, logits, ids, w))                                                                         \
+    X(int, lm_moe_experts,                                                                         \
+      (lm_base * b, const lm_moe *m, const float *x, int64_t ntok, const int32_t *ids,           \
+       const float *w, float *y),                                                                  \
+      (b, m, x, ntok, ids, w, y))                                                                  \
     X(int, lm_logits,                                                                              \
       (lm_base * b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,      \
        float softcap, float *logits),                                                              \

@@ -172,6 +172,14 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
  * probabilities), the n_used chosen experts (ties keep the lower index) and their weights,
  * by m's gating, renormalisation and scale. */
 int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w);
+/* y (ntok, n_embd) = for each token t, the sum over its n_used choices k of
+ * w[t * n_used + k] * expert ids[t * n_used + k] of m applied to row t of x (ntok, n_embd):
+ * the experts of a routing made by the caller (as lm_moe_route returns it; m's router and
+ * gating are not used). Same grouping as lm_moe_ffn. y may alias x; ids, w and x may lie in
+ * the base's scratch (lm_base_tmp) carved by the caller, and are kept. LM_EINVAL for an id
+ * outside [0, n_expert). */
+int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, const int32_t *ids,
+                   const float *w, float *y);
 /* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none). */
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits);

@@ -13,7 +13,8 @@
  *     lm_decoder_new and lm_decoder_finish and runs on the kit's own chunk loop;
  *   - anything else fills an lm_base (lm_base_init) with its own forward_chunk, made of the
  *     layer helpers (lm_embed, lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the
- *     threaded row ops.
+ *     threaded row ops; a router of its own feeds lm_moe_experts (its routing by
+ *     lm_moe_route).
  * Sizes are int64_t element counts; every function returns LM_OK or a negative status;
  * nothing exits or prints.
  */

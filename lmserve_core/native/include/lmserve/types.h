@@ -139,11 +139,14 @@ typedef struct lm_ffn {
     int act;                /* enum lm_act */
 } lm_ffn;
 
-/* A mixture of gated feed-forward experts behind a router. */
+/* A mixture of gated feed-forward experts behind a router. The experts' gate and up
+ * matrices are either two tensors or one fused tensor (gate_up_exps.data set). */
 typedef struct lm_moe {
     lm_matrix router;       /* (n_expert, n_embd) */
-    lm_matrix gate_exps;    /* (n_expert, n_ff, n_embd) */
-    lm_matrix up_exps;      /* (n_expert, n_ff, n_embd) */
+    lm_matrix gate_exps;    /* (n_expert, n_ff, n_embd); unused when gate_up_exps is set */
+    lm_matrix up_exps;      /* (n_expert, n_ff, n_embd); unused when gate_up_exps is set */
+    lm_matrix gate_up_exps; /* (n_expert, 2 * n_ff, n_embd): per expert, its n_ff gate rows
+                               then its n_ff up rows; data NULL: gate_exps and up_exps */
     lm_matrix down_exps;    /* (n_expert, n_embd, n_ff) */
     int n_expert;
     int n_used;             /* experts per token (top-k) */
