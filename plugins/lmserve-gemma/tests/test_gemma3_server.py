@@ -50,8 +50,18 @@ def test_conventions() -> None:
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     # no --backend: the gemma3 architecture picks the gemma family; one slot, so an
     # unrelated request evicts the conversation
-    running = launch(str(gemma3_path()), "--ctx", "4096", "--threads", "2", "--kv-slots", "1",
-                     scripted=False, log_dir=tmp_path_factory.mktemp("gemma3"), timeout=120)
+    running = launch(
+        str(gemma3_path()),
+        "--ctx",
+        "4096",
+        "--threads",
+        "2",
+        "--kv-slots",
+        "1",
+        scripted=False,
+        log_dir=tmp_path_factory.mktemp("gemma3"),
+        timeout=120,
+    )
     yield running
     assert running.stop() == 0
 
@@ -90,8 +100,15 @@ def test_template_and_stop_tokens() -> None:
     try:
         tok = backend.tokenizer
         assert {tok.token_text(i) for i in backend.stop_ids} >= {"<end_of_turn>", "<eos>"}
-        request = NormalizedRequest(id="t", dialect="chat", max_tokens=4, messages=[
-            Message(role="system", content="Be brief."), Message(role="user", content="Hi")])
+        request = NormalizedRequest(
+            id="t",
+            dialect="chat",
+            max_tokens=4,
+            messages=[
+                Message(role="system", content="Be brief."),
+                Message(role="user", content="Hi"),
+            ],
+        )
         ids = backend._prompt_tokens(request)[0]
         # the system text is folded into the first user turn, as Gemma's template does
         assert tok.decode(ids) == (
@@ -102,10 +119,14 @@ def test_template_and_stop_tokens() -> None:
         backend.close()
 
 
-def test_greedy_chat_is_sensible_through_the_fallback_template(oai: Any, gemma: RunningServer) -> None:
+def test_greedy_chat_is_sensible_through_the_fallback_template(
+    oai: Any, gemma: RunningServer
+) -> None:
     for question, answer in (("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid")):
         reply = oai.chat.completions.create(
-            model="gemma", temperature=0, max_tokens=3,
+            model="gemma",
+            temperature=0,
+            max_tokens=3,
             messages=[*SHOTS, {"role": "user", "content": f"What is the capital of {question}?"}],
         )
         assert reply.choices[0].message.content.startswith(answer + "."), reply
@@ -123,13 +144,15 @@ def test_anthropic_and_responses_dialects(gemma: RunningServer) -> None:
     openai = pytest.importorskip("openai")
     question = {"role": "user", "content": "What is the capital of Italy?"}
     with anthropic.Anthropic(base_url=gemma.base_url, api_key=API_KEY, max_retries=0) as ant:
-        msg = ant.messages.create(model="gemma", max_tokens=3, extra_body={"temperature": 0},
-                                  messages=[*SHOTS, question])
+        msg = ant.messages.create(
+            model="gemma", max_tokens=3, extra_body={"temperature": 0}, messages=[*SHOTS, question]
+        )
     assert msg.content[0].text.startswith("Rome."), msg
     assert msg.stop_reason == "max_tokens"
     with openai.OpenAI(base_url=gemma.base_url + "/v1", api_key=API_KEY, max_retries=0) as oai:
-        resp = oai.responses.create(model="gemma", input=[*SHOTS, question], temperature=0,
-                                    max_output_tokens=3)
+        resp = oai.responses.create(
+            model="gemma", input=[*SHOTS, question], temperature=0, max_output_tokens=3
+        )
     assert resp.output_text.startswith("Rome."), resp
 
 
@@ -140,14 +163,18 @@ def test_slot_reuse_past_the_window_gives_the_cold_reply(oai: Any) -> None:
     first = [{"role": "user", "content": f"{text}\n\nWhat is this text about? One sentence."}]
     a = oai.chat.completions.create(model="gemma", messages=first, temperature=0, max_tokens=40)
     assert a.usage.prompt_tokens > 800
-    follow = [*first, {"role": "assistant", "content": a.choices[0].message.content},
-              {"role": "user", "content": "Name one danger for ships that it mentions."}]
+    follow = [
+        *first,
+        {"role": "assistant", "content": a.choices[0].message.content},
+        {"role": "user", "content": "Name one danger for ships that it mentions."},
+    ]
     warm = oai.chat.completions.create(model="gemma", messages=follow, temperature=0, max_tokens=40)
     cached = warm.usage.prompt_tokens_details.cached_tokens
     assert cached > 800, cached
     # evict the only slot, then the same follow-up from an empty cache
-    oai.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Hi"}],
-                                temperature=0, max_tokens=4)
+    oai.chat.completions.create(
+        model="gemma", messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=4
+    )
     cold = oai.chat.completions.create(model="gemma", messages=follow, temperature=0, max_tokens=40)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content

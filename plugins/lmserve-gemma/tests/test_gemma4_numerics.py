@@ -234,9 +234,7 @@ def test_greedy_continuations_match_transformers(kind: str, synthetic: Any) -> N
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_f16_cache_matches_the_reference_rounded_where_it_stores(
-    kind: str, synthetic: Any
-) -> None:
+def test_f16_cache_matches_the_reference_rounded_where_it_stores(kind: str, synthetic: Any) -> None:
     ref = reference(synthetic, kind)
     worst = 0.0
     for prompt in PROMPTS:
@@ -423,15 +421,17 @@ def test_absurd_metadata_is_refused(synthetic: Any, tmp_path: Path) -> None:
         with pytest.raises(GGUFError, match=needle):
             Gemma4Config.from_gguf(fake)  # type: ignore[arg-type]
     with pytest.raises(GGUFError, match="not Gemma 4"):
-        Gemma4Config.from_gguf(_Patched(ref.gguf, {**meta, "general.architecture": "gemma3"},
-                                        architecture="gemma3"))  # type: ignore[arg-type]
+        Gemma4Config.from_gguf(
+            _Patched(ref.gguf, {**meta, "general.architecture": "gemma3"}, architecture="gemma3")
+        )  # type: ignore[arg-type]
 
 
 class _Patched:
     """A GGUF's tensors with other metadata."""
 
-    def __init__(self, gguf: GGUFFile, metadata: dict[str, Any],
-                 architecture: str = "gemma4") -> None:
+    def __init__(
+        self, gguf: GGUFFile, metadata: dict[str, Any], architecture: str = "gemma4"
+    ) -> None:
         self.path = gguf.path
         self.tensors = gguf.tensors
         self.metadata = metadata

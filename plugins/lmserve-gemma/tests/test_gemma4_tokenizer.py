@@ -43,8 +43,10 @@ def gemma4(synthetic: Any) -> Tokenizer:
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, id=f"{'special' if c['parse_special'] else 'text'}-{i}")
-     for i, c in enumerate(REFERENCE["cases"])],
+    [
+        pytest.param(c, id=f"{'special' if c['parse_special'] else 'text'}-{i}")
+        for i, c in enumerate(REFERENCE["cases"])
+    ],
 )
 def test_matches_llama_cpp(gemma4: Tokenizer, case: dict[str, Any]) -> None:
     got = gemma4.encode(case["text"], add_special=False, parse_special=case["parse_special"])

@@ -11,15 +11,18 @@
   of the prompt's token ids is transformers' (with logprobs within 2e-2 once transformers
   uses ggml's fp16-table GELU, the one approximation ggml's CPU backend makes here).
 
-llama.cpp is looked for in ``$LMSERVE_LLAMA_CPP_BIN`` (binaries) and ``$LMSERVE_LLAMA_CPP``
-(source tree, for the converter).
+The llama.cpp checks prove the writer, not lmserve, and take minutes: they run only with
+``LMSERVE_LLAMA_CPP_CHECKS=1``, llama.cpp looked for in ``$LMSERVE_LLAMA_CPP_BIN``
+(binaries) and ``$LMSERVE_LLAMA_CPP`` (source tree, for the converter).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -35,6 +38,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, TokenType
 
+from lmserve_core.gguf_file import GGUFFile
+
 ROOT = Path(__file__).resolve().parents[3]
 LLAMA_CPP_BIN = Path(os.environ.get("LMSERVE_LLAMA_CPP_BIN", "/work/llamacpp/build/bin"))
 LLAMA_CPP = Path(
@@ -42,6 +47,7 @@ LLAMA_CPP = Path(
 )
 
 KINDS = S.KINDS
+CHECK_LLAMA_CPP = os.environ.get("LMSERVE_LLAMA_CPP_CHECKS") == "1"
 GEMMA4_KINDS = [k for k in KINDS if S.family(k) == "gemma4"]
 # Logprob agreement with llama.cpp (f32 weights and KV cache, no flash attention) once
 # transformers uses ggml's GELU; measured at most 4e-3 over the kinds.
@@ -51,20 +57,71 @@ LOGPROB_ATOL = 2e-2
 # ------------------------------------------------------------------ helpers
 
 
+@functools.cache
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    # lmserve's reader (the gguf package's, decoding string arrays in one pass): gguf's own
+    # GGUFReader makes two numpy views per vocabulary entry and merge, minutes for a file.
+    with GGUFFile.open(path) as gguf:
+        metadata = {
+            k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in gguf.metadata.items()
+        }
+        ne = {name: tuple(reversed(t.shape)) for name, t in gguf.tensors.items()}
+    return metadata, ne
+
+
 def fields(path: Path) -> dict[str, Any]:
     """Every metadata key of a GGUF with its value (arrays as lists)."""
-    reader = GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
-def field_types(path: Path) -> dict[str, list[str]]:
-    reader = GGUFReader(str(path))
-    return {k: [t.name for t in f.types] for k, f in reader.fields.items()}
+    return _read(path)[0]
 
 
 def tensor_ne(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor names with ggml's ne (innermost first)."""
-    return {t.name: tuple(int(n) for n in t.shape.tolist()) for t in GGUFReader(str(path)).tensors}
+    return _read(path)[1]
+
+
+_SCALARS = {
+    0: ("UINT8", "<B"), 1: ("INT8", "<b"), 2: ("UINT16", "<H"), 3: ("INT16", "<h"),
+    4: ("UINT32", "<I"), 5: ("INT32", "<i"), 6: ("FLOAT32", "<f"), 7: ("BOOL", "<?"),
+    10: ("UINT64", "<Q"), 11: ("INT64", "<q"), 12: ("FLOAT64", "<d"),
+}  # fmt: skip
+
+
+def raw_metadata(path: Path) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """Every metadata key of a GGUF v3 file with its value types and value, parsed here (a
+    second reader, and a fast one: no view per vocabulary entry)."""
+    data = memoryview(path.read_bytes())
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return str(data[pos - n : pos], "utf-8")
+
+    def value(vtype: int) -> tuple[tuple[str, ...], Any]:
+        if vtype == 8:
+            return ("STRING",), string()
+        if vtype == 9:
+            item, count = take("<I"), take("<Q")
+            items = [value(item) for _ in range(count)]
+            types = items[0][0] if items else ("UNKNOWN",)
+            return ("ARRAY", *types), [v for _, v in items]
+        name, fmt = _SCALARS[vtype]
+        return (name,), take(fmt)
+
+    assert bytes(data[:4]) == b"GGUF" and take("<4xI") == 3
+    _, n_kv = take("<Q"), take("<Q")
+    out = {}
+    for _ in range(n_kv):
+        key = string()
+        out[key] = value(take("<I"))
+    return out
 
 
 def per_layer(value: Any, n_layer: int) -> list[int]:
@@ -182,9 +239,34 @@ def test_tensors_are_those_llama_cpp_loads(synthetic: Any, kind: str) -> None:
     assert "output.weight" not in have  # tied, as the real models
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gemma3", "gemma4"])  # one file per vocabulary kind
+def test_gguf_reader_reads_the_files(synthetic: Any, kind: str) -> None:
+    """The gguf package's own reader (slow on a vocabulary of 262144 tokens and its merges)."""
+    gguf_path, _ = synthetic(kind)
+    reader = GGUFReader(str(gguf_path))
+    kv = fields(gguf_path)
+    arch = S.family(kind)
+    assert reader.fields["general.architecture"].contents() == arch
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        assert value == kv[key], key
+        if key.startswith(arch + "."):  # the converter's value types
+            if isinstance(value, list):
+                want = ["ARRAY", "BOOL" if isinstance(value[0], bool) else "INT32"]
+            else:
+                want = ["FLOAT32" if isinstance(value, float) else "UINT32"]
+            assert [t.name for t in field.types] == want, key
+    assert {t.name: tuple(int(n) for n in t.shape.tolist()) for t in reader.tensors} == (
+        tensor_ne(gguf_path)
+    )
+
+
 def test_gemma3_metadata(synthetic: Any) -> None:
     path, _ = synthetic("gemma3")
-    kv, types = fields(path), field_types(path)
+    kv = fields(path)
     assert {k: v for k, v in kv.items() if k.startswith("gemma3.")} == {
         "gemma3.block_count": 6,
         "gemma3.context_length": 4096,
@@ -199,7 +281,6 @@ def test_gemma3_metadata(synthetic: Any) -> None:
         "gemma3.attention.value_length": 32,
         "gemma3.attention.sliding_window": 8,
     }
-    assert types["gemma3.attention.sliding_window"] == ["UINT32"]
     assert kv["general.architecture"] == "gemma3" and kv["general.file_type"] == 0
     assert kv["tokenizer.ggml.model"] == "llama" and kv["tokenizer.ggml.pre"] == "default"
     assert kv["tokenizer.chat_template"] == S.GEMMA3_TEMPLATE.read_text(encoding="utf-8")
@@ -343,6 +424,7 @@ def test_gemma4_markers_at_gemma4_ids(synthetic: Any, kind: str) -> None:
     assert config["eos_token"] == "<turn|>"
 
 
+@pytest.mark.slow
 def test_gemma4_vocab_is_llama_hf_vocab(synthetic: Any) -> None:
     """The types Gemma4Model.set_vocab derives through transformers (gguf's LlamaHfVocab)."""
     from gguf.vocab import LlamaHfVocab
@@ -373,7 +455,13 @@ def test_templates_render_the_prompts(synthetic: Any, kind: str) -> None:
 # ------------------------------------------------------------------ llama.cpp
 
 
+def _require_llama_cpp_checks() -> None:
+    if not CHECK_LLAMA_CPP:
+        pytest.skip("checks of the writer against llama.cpp: set LMSERVE_LLAMA_CPP_CHECKS=1")
+
+
 def _llama_cpp_binary(name: str) -> Path:
+    _require_llama_cpp_checks()
     path = LLAMA_CPP_BIN / name
     if not path.is_file():
         pytest.skip(f"llama.cpp's {name} is not in {LLAMA_CPP_BIN} (set LMSERVE_LLAMA_CPP_BIN)")
@@ -610,6 +698,7 @@ def test_llama_cpp_converter_writes_the_same_file(
     """convert_hf_to_gguf.py of ``hf/`` gives the same metadata (bar the naming keys; Gemma 3
     without the vocabulary, which the converter reads from tokenizer.model) and bit-identical
     tensors."""
+    _require_llama_cpp_checks()
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"llama.cpp's source is not in {LLAMA_CPP} (set LMSERVE_LLAMA_CPP)")
     gguf_path, hf_dir = synthetic(kind)
@@ -637,22 +726,17 @@ def test_llama_cpp_converter_writes_the_same_file(
         pytest.fail(proc.stderr[-3000:])
     naming = {"general.name", "general.size_label", "general.basename", "general.finetune"}
 
-    def metadata(path: Path) -> dict[str, tuple[list[str], Any]]:
-        reader = GGUFReader(str(path))
+    def metadata(path: Path) -> dict[str, tuple[tuple[str, ...], Any]]:
         return {
-            k: ([t.name for t in f.types], f.contents())
-            for k, f in reader.fields.items()
-            if k not in naming
-            and not k.startswith("GGUF.")
-            and not (gemma3 and k.startswith("tokenizer."))
+            k: v
+            for k, v in raw_metadata(path).items()
+            if k not in naming and not (gemma3 and k.startswith("tokenizer."))
         }
 
-    assert metadata(gguf_path) == metadata(out)
-    ours = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
-    theirs = {t.name: t for t in GGUFReader(str(out)).tensors}
-    assert set(ours) == set(theirs)
-    for name, tensor in ours.items():
-        other = theirs[name]
-        assert tensor.tensor_type == other.tensor_type, name
-        assert tensor.shape.tolist() == other.shape.tolist(), name
-        assert np.array_equal(np.asarray(tensor.data), np.asarray(other.data)), name
+    assert list(metadata(gguf_path).items()) == list(metadata(out).items())  # order too
+    with GGUFFile.open(gguf_path) as ours, GGUFFile.open(out) as theirs:
+        assert set(ours.tensors) == set(theirs.tensors)
+        for name, tensor in ours.tensors.items():
+            other = theirs.tensors[name]
+            assert (tensor.type_name, tensor.shape) == (other.type_name, other.shape), name
+            assert np.array_equal(np.asarray(tensor.data), np.asarray(other.data)), name
