@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=0, help="compute threads (default 0: all cores)")
     g.add_argument("--seed", type=int, help="default sampling seed for requests without one")
     g.add_argument(
+        "--decode-precision",
+        choices=["int16", "f32"],
+        default="int16",
+        help="activations of decode's products: int16 per group of 32 with integer products "
+        "(default; faster), or f32 throughout (the reference path)",
+    )
+    g.add_argument(
         "--plugin",
         action="append",
         default=[],
@@ -205,10 +212,12 @@ def serve(args: argparse.Namespace) -> int:
     from . import memory
     from .app import create_app
     from .engine import Engine
+    from .native import kernels
     from .server import Server
 
     _check_ranges(args)
     memory.fix_mmap_threshold()
+    kernels.select_decode_precision(kernels.DECODE_PRECISIONS[args.decode_precision])
     spec, model = _pick_backend(args)
     settings = ServerSettings(
         ctx=args.ctx,
@@ -274,6 +283,7 @@ def serve(args: argparse.Namespace) -> int:
         model=backend.model_id,
         backend=spec.name,
         ctx=backend.context_length,
+        decode_precision=args.decode_precision,
         auth=bool(args.api_key),
     )
     try:

@@ -63,9 +63,32 @@ def rng() -> np.random.Generator:
 
 @pytest.fixture(autouse=True)
 def _restore_isa():
-    before = K.isa_active()
+    before, precision = K.isa_active(), K.decode_precision()
     yield
     K.select_isa(before)
+    K.select_decode_precision(precision)
+
+
+PRECISIONS = list(K.DecodePrecision)
+
+
+def i16_bound(ref: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """What int16 activations may add to y = x . ref^T: per group of 32, its step / 2 times
+    the sum of |w| over the group (ntok, rows)."""
+    x = np.asarray(x, dtype=np.float64)
+    groups = x.reshape(x.shape[0], -1, 32)
+    half_step = np.abs(groups).max(axis=2) / 32767 / 2  # (ntok, groups)
+    wsum = np.abs(ref).reshape(ref.shape[0], -1, 32).sum(axis=2)  # (rows, groups)
+    return half_step @ wsum.T
+
+
+def assert_matmul_close(got, want, scale, precision, ref, x) -> None:
+    """Within f32 rounding, plus the activations' rounding on the integer path."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    extra = i16_bound(ref, x) if precision == K.DecodePrecision.I16 else 0.0
+    err = np.abs(got - want)
+    bound = 1e-5 * scale + extra * 1.001 + 1e-30
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
 
 
 SIMD_ISAS = [K.Isa.AVX2, K.Isa.AVX512]
@@ -161,8 +184,10 @@ def test_vec_dot_matches_reference(qtype: QT, isa: K.Isa, rng) -> None:
 
 
 # ------------------------------------------------------------------ matmul
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.name)
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-def test_matmul_matches_numpy(qtype: QT, rng) -> None:
+def test_matmul_matches_numpy(qtype: QT, precision: K.DecodePrecision, rng) -> None:
+    K.select_decode_precision(precision)
     cols = 512
     rows = 45  # not a multiple of any row tile
     raw = make_rows(qtype, rows, cols, rng)
@@ -179,7 +204,9 @@ def test_matmul_matches_numpy(qtype: QT, rng) -> None:
                     for name, pool in pools.items():
                         got = K.matmul(qtype, raw, rows, cols, xs, pool=pool)
                         assert got.shape == (ntok, rows), (isa, ntok, name)
-                        assert_dot_close(got, want, scale, 1e-5)
+                        # only the few-token products (the dot path) take int16 activations
+                        p = precision if ntok < 32 else K.DecodePrecision.F32
+                        assert_matmul_close(got, want, scale, p, ref, xs)
     finally:
         for pool in pools.values():
             if pool is not None:
@@ -190,8 +217,12 @@ def test_matmul_matches_numpy(qtype: QT, rng) -> None:
 @pytest.mark.parametrize(
     "qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.F16], ids=lambda t: t.name
 )
-def test_matmul_simd_matches_portable(qtype: QT, isa: K.Isa, rng) -> None:
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.name)
+def test_matmul_simd_matches_portable(
+    qtype: QT, isa: K.Isa, precision: K.DecodePrecision, rng
+) -> None:
     require(isa)
+    K.select_decode_precision(precision)
     cols, rows = 768, 70
     raw = make_rows(qtype, rows, cols, rng)
     ref = reference(qtype, raw, cols).astype(np.float64)
@@ -203,6 +234,7 @@ def test_matmul_simd_matches_portable(qtype: QT, isa: K.Isa, rng) -> None:
                 want = K.matmul(qtype, raw, rows, cols, x, pool=pool)
             with K.use_isa(isa):
                 got = K.matmul(qtype, raw, rows, cols, x, pool=pool)
+            # the same int16 activations on both paths: only f32 rounding differs
             assert_dot_close(got, want, scale, 1e-5)
 
 
@@ -217,6 +249,7 @@ def test_matmul_is_deterministic_per_isa_and_thread_count(rng) -> None:
 
 
 def test_matmul_vector_input_and_empty_shapes(rng) -> None:
+    K.select_decode_precision(K.DecodePrecision.F32)
     raw = make_rows(QT.Q8_0, 7, 64, rng)
     x = rng.standard_normal(64, dtype=np.float32)
     y = K.matmul(QT.Q8_0, raw, 7, 64, x)
@@ -234,6 +267,116 @@ def test_get_rows(rng) -> None:
         K.get_rows(QT.Q6_K, raw, 10, 256, [10])
     with pytest.raises(ValueError):
         K.get_rows(QT.Q6_K, raw, 10, 256, [-1])
+
+
+# ------------------------------------------------------------------ int16 activations
+def test_decode_precision_is_int16_by_default_and_selectable() -> None:
+    from lmserve_core._kernels import lib
+
+    assert K.decode_precision() == K.DecodePrecision.I16
+    with K.use_decode_precision(K.DecodePrecision.F32) as chosen:
+        assert chosen == K.DecodePrecision.F32 == K.decode_precision()
+    assert K.decode_precision() == K.DecodePrecision.I16
+    with pytest.raises(ValueError):
+        K.select_decode_precision(5)
+    assert lib.lm_decode_precision_select(-1) == lib.LM_EINVAL
+    assert K.DECODE_PRECISIONS == {"int16": K.DecodePrecision.I16, "f32": K.DecodePrecision.F32}
+
+
+def test_quantize_x16_rounds_to_nearest_and_is_identical_on_every_isa(rng) -> None:
+    x = rng.standard_normal(32 * 40).astype(np.float32) * np.repeat(
+        np.logspace(-30, 30, 40, dtype=np.float32), 32
+    )
+    x[32 * 3 : 32 * 4] = 0.0  # a group of zeros
+    x[32 * 5 + 7] = 1.0  # a group whose maximum is exactly one value
+    got = {}
+    for isa in K.available_isas():
+        with K.use_isa(isa):
+            got[isa] = K.quantize_x16(x)
+    q, ds = got[K.Isa.PORTABLE]
+    for isa, (qi, dsi) in got.items():
+        np.testing.assert_array_equal(qi, q, err_msg=isa.name)
+        np.testing.assert_array_equal(dsi[:, 0], ds[:, 0], err_msg=isa.name)
+        np.testing.assert_allclose(dsi[:, 1], ds[:, 1], rtol=1e-5, atol=0, err_msg=isa.name)
+    groups = x.reshape(-1, 32).astype(np.float64)
+    amax = np.abs(groups).max(axis=1)
+    np.testing.assert_array_equal(ds[:, 0], amax.astype(np.float32) / np.float32(32767))
+    np.testing.assert_allclose(ds[:, 1], groups.sum(axis=1), rtol=1e-5)
+    inv = np.where(amax > 0, np.float32(32767) / amax.astype(np.float32), 0).astype(np.float32)
+    want = np.rint(groups.astype(np.float32) * inv[:, None]).astype(np.int16)  # ties to even
+    np.testing.assert_array_equal(q.reshape(-1, 32), want)
+    assert np.abs(q).max() == 32767
+    assert not q[32 * 3 : 32 * 4].any()
+
+
+def test_quantize_x16_marks_non_finite_groups() -> None:
+    x = np.ones(96, np.float32)
+    x[40] = np.nan
+    x[70] = np.inf
+    for isa in K.available_isas():
+        with K.use_isa(isa):
+            q, ds = K.quantize_x16(x)
+        assert np.isfinite(ds[0]).all() and np.isnan(ds[1:]).all(), isa.name
+        assert not q[32:].any()
+    with pytest.raises(ValueError):
+        K.quantize_x16(np.ones(48, np.float32))
+
+
+BLOCK_TYPES = [t for t in ALL_TYPES if K.block_elems(t) > 1]
+
+
+@pytest.mark.parametrize("isa", [K.Isa.PORTABLE, *SIMD_ISAS], ids=lambda i: i.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_vec_dot_i16_within_the_activations_rounding(qtype: QT, isa: K.Isa, rng) -> None:
+    require(isa)
+    cols = 1024
+    raw = make_rows(qtype, 8, cols, rng)
+    ref = reference(qtype, raw, cols).astype(np.float64)
+    # groups of very different sizes: each has its own step
+    x = (rng.standard_normal(cols) * np.repeat(rng.uniform(0.01, 10, cols // 32), 32)).astype(
+        np.float32
+    )
+    with K.use_isa(isa):
+        got = np.array([K.vec_dot_i16(qtype, row, x) for row in raw])
+    with K.use_isa(K.Isa.PORTABLE):
+        portable = np.array([K.vec_dot_i16(qtype, row, x) for row in raw])
+    scale = np.abs(ref) @ np.abs(x.astype(np.float64))
+    bound = i16_bound(ref, x[None])[0]
+    assert np.all(np.abs(got - ref @ x) <= 1e-5 * scale + bound)
+    # the same integers on every path; the float sums may round differently
+    assert_dot_close(got, portable, scale, 1e-5)
+    # and the rounding is that of int16, far below the bound of int8 activations
+    assert np.abs(got - ref @ x).max() < bound.max() / 4
+
+
+def test_vec_dot_i16_refuses_element_types() -> None:
+    with pytest.raises(TypeError):
+        K.vec_dot_i16(QT.F16, np.zeros(64, np.uint8), np.ones(32, np.float32))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_i16_rows_do_not_depend_on_the_batch_or_the_threads(qtype: QT, rng) -> None:
+    """A token's products are the same alone, in a batch of any size or at any thread count
+    (what lets a batched decode give the outputs of sequential ones)."""
+    K.select_decode_precision(K.DecodePrecision.I16)
+    cols, rows = 512, 83
+    raw = make_rows(qtype, rows, cols, rng)
+    x = rng.standard_normal((13, cols), dtype=np.float32)
+    alone = np.stack([K.matmul(qtype, raw, rows, cols, x[t : t + 1])[0] for t in range(13)])
+    for threads in (1, 2, 3):
+        with K.Pool(threads) as pool:
+            for ntok in (2, 5, 13):
+                got = K.matmul(qtype, raw, rows, cols, x[:ntok], pool=pool)
+                np.testing.assert_array_equal(got, alone[:ntok], err_msg=f"{threads} {ntok}")
+
+
+def test_i16_products_propagate_nan(rng) -> None:
+    K.select_decode_precision(K.DecodePrecision.I16)
+    raw = make_rows(QT.Q4_1, 4, 64, rng)
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = np.nan
+    y = K.matmul(QT.Q4_1, raw, 4, 64, x)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
 
 
 # ------------------------------------------------------------------ bad arguments

@@ -33,6 +33,13 @@ RopeMode = _c_enum("RopeMode", "enum lm_rope_mode", "LM_ROPE_")
 RopeMode.__doc__ = "Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2)."
 Activation = _c_enum("Activation", "enum lm_act", "LM_ACT_")
 Activation.__doc__ = "Gate activation of a gated feed-forward (lm_act)."
+DecodePrecision = _c_enum("DecodePrecision", "enum lm_decode_precision", "LM_DECODE_")
+DecodePrecision.__doc__ = (
+    "Activations of the few-token products (decode, short chunks): F32, or I16 (int16 per "
+    "group of 32 with integer products; lm_decode_precision)."
+)
+#: ``--decode-precision`` names of the precisions.
+DECODE_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
 
 #: Every GGML type id a weight matrix may have: what families accept for their matrices.
 MATRIX_TYPES: tuple[int, ...] = tuple(int(t) for t in QuantType)
@@ -162,6 +169,28 @@ def use_isa(isa: int) -> Iterator[enum.IntEnum]:
         select_isa(previous)
 
 
+# ------------------------------------------------------------------ decode precision
+def decode_precision() -> enum.IntEnum:
+    """Activation precision of the few-token products, process-wide."""
+    return DecodePrecision(lib.lm_decode_precision_active())
+
+
+def select_decode_precision(precision: int) -> None:
+    """Make the few-token products use ``precision`` (a DecodePrecision) process-wide."""
+    check(lib.lm_decode_precision_select(int(precision)), f"select decode precision {precision}")
+
+
+@contextlib.contextmanager
+def use_decode_precision(precision: int) -> Iterator[enum.IntEnum]:
+    """Run a block with ``precision`` selected, then restore the previous selection."""
+    previous = decode_precision()
+    select_decode_precision(precision)
+    try:
+        yield DecodePrecision(precision)
+    finally:
+        select_decode_precision(previous)
+
+
 # ------------------------------------------------------------------ pool
 class Pool:
     """A persistent native thread pool (the calling thread is thread 0)."""
@@ -237,15 +266,41 @@ def dequantize_row(qtype: int, raw: npt.ArrayLike, n: int) -> F32Array:
     return out
 
 
-def vec_dot(qtype: int, raw: npt.ArrayLike, x: npt.ArrayLike) -> float:
-    """dot(row of ``qtype``, x) over ``len(x)`` elements."""
+def _row_dot(fn: Any, what: str, qtype: int, raw: npt.ArrayLike, x: npt.ArrayLike) -> float:
     t = _type_id(qtype)
     xs = _f32(x).reshape(-1)
     data = _raw(raw)
-    _need(data, row_bytes(t, xs.size), "vec_dot")
+    _need(data, row_bytes(t, xs.size), what)
     out = ffi.new("float *")
-    check(lib.lm_vec_dot(t, _ubuf(data), _fbuf(xs), xs.size, out), "vec_dot")
+    check(fn(t, _ubuf(data), _fbuf(xs), xs.size, out), what)
     return float(out[0])
+
+
+def vec_dot(qtype: int, raw: npt.ArrayLike, x: npt.ArrayLike) -> float:
+    """dot(row of ``qtype``, x) over ``len(x)`` elements."""
+    return _row_dot(lib.lm_vec_dot, "vec_dot", qtype, raw, x)
+
+
+def vec_dot_i16(qtype: int, raw: npt.ArrayLike, x: npt.ArrayLike) -> float:
+    """dot(row of ``qtype``, x) through int16 activations (the integer path)."""
+    return _row_dot(lib.lm_vec_dot_i16, "vec_dot_i16", qtype, raw, x)
+
+
+def quantize_x16(x: npt.ArrayLike) -> tuple[npt.NDArray[np.int16], F32Array]:
+    """``x`` (a multiple of 32 values) as the integer path's activations: int16 values and,
+    per group of 32, its step and its f32 sum (``ds[:, 0]``, ``ds[:, 1]``)."""
+    xs = _f32(x).reshape(-1)
+    if xs.size % 32:
+        raise KernelValueError(f"{xs.size} values is not a whole number of groups of 32")
+    q = np.empty(xs.size, np.int16)
+    ds = np.empty((xs.size // 32, 2), np.float32)
+    check(
+        lib.lm_quantize_x16(
+            _fbuf(xs), xs.size, ffi.from_buffer("int16_t[]", q), _fbuf(ds.reshape(-1))
+        ),
+        "quantize_x16",
+    )
+    return q, ds
 
 
 def matmul(

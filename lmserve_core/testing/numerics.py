@@ -4,13 +4,32 @@ transformers reference."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lmserve_core.native import kernels
+
+
+@contextlib.contextmanager
+def f32_products() -> Iterator[None]:
+    """Run a block on the reference path: f32 activations in every product, decode's
+    included (the server's default gives decode int16 activations; the families' numerics
+    tests compare the f32 path with transformers and the int16 one with both)."""
+    with kernels.use_decode_precision(kernels.DecodePrecision.F32):
+        yield
+
+
+@contextlib.contextmanager
+def int16_products() -> Iterator[None]:
+    """Run a block with the few-token products on int16 activations (the default)."""
+    with kernels.use_decode_precision(kernels.DecodePrecision.I16):
+        yield
 
 
 def chunk_nll(logits: np.ndarray, ids: Sequence[int], first: int) -> tuple[float, int]:
@@ -23,6 +42,24 @@ def chunk_nll(logits: np.ndarray, ids: Sequence[int], first: int) -> tuple[float
     log_z = top[:, 0] + np.log(np.exp(scored - top).sum(axis=1))
     nll = log_z - scored[np.arange(len(targets)), targets]
     return float(nll.sum()), len(targets)
+
+
+def stepped_logits(model: Any, ids: Sequence[int]) -> np.ndarray:
+    """A ``ForwardModel``'s logits of ``ids`` one token per forward, as decode runs."""
+    cache = model.new_cache(len(ids))
+    return np.stack([model.forward(cache, [t], pos) for pos, t in enumerate(ids)])
+
+
+def perplexity(model: Any, chunks: Sequence[Sequence[int]], first: int) -> float:
+    """exp(mean NLL) of a ``ForwardModel`` over chunks each run from an empty cache, scored
+    from position ``first`` as :func:`chunk_nll` does."""
+    cache = model.new_cache(max(len(c) for c in chunks))
+    total, count = 0.0, 0
+    for ids in chunks:
+        nll, n = chunk_nll(model.forward(cache, list(ids), 0, all_logits=True), ids, first)
+        total += nll
+        count += n
+    return float(np.exp(total / count))
 
 
 def greedy(model: Any, ids: Sequence[int], n_new: int) -> list[int]:
@@ -54,6 +91,59 @@ def reference_greedy(reference: Any, ids: Sequence[int], n_new: int, *, exact: b
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(ids) :].tolist()]
+
+
+def assert_greedy_matches(
+    model: Any, reference: Any, ids: Sequence[int], n_new: int, tie: float
+) -> list[int]:
+    """A ``ForwardModel``'s greedy continuation equals the transformers reference's, or first
+    departs from it at a near tie: where the reference's logits of the two choices lie within
+    ``tie``. Returns ours."""
+    import torch
+
+    want = reference_greedy(reference, ids, n_new)  # shorter when it ends with its EOS
+    got = greedy(model, ids, len(want))
+    if got != want:
+        k = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        with torch.no_grad():
+            ref = reference(torch.tensor([[*ids, *want[:k]]])).logits[0, -1].float().numpy()
+        gap = abs(float(ref[want[k]]) - float(ref[got[k]]))
+        assert gap < tie, f"departs at {k}: ours {got[k]}, reference {want[k]}, gap {gap:.3g}"
+    return got
+
+
+def check_int16_decode(
+    model: Any, reference: Any, prompts: Sequence[Sequence[int]], atol: float
+) -> None:
+    """The int16 decode path of a real model next to its transformers reference: for each
+    prompt, token-by-token logits within ``atol`` with the same top-1 everywhere, and greedy
+    continuations equal up to a near tie (``2 * atol``)."""
+    import torch
+
+    for ids in prompts:
+        with int16_products():
+            got = stepped_logits(model, ids)
+        with torch.no_grad():
+            want = reference(torch.tensor([list(ids)])).logits[0].float().numpy()
+        diff = np.abs(got - want)
+        print(f"int16 decode: {len(ids)} tokens, max |diff| {diff.max():.3g}, mean {diff.mean():.3g}")
+        assert diff.max() < atol
+        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+        with int16_products():
+            assert_greedy_matches(model, reference, ids, 32, 2 * atol)
+
+
+def int16_perplexity_gap(
+    model: Any, chunked: Any, chunks: Sequence[Sequence[int]], first: int
+) -> tuple[float, float]:
+    """Perplexity of ``model`` on the f32 path, and of ``chunked`` (the same weights loaded
+    with chunks under 32 tokens, so every product takes the integer path) on int16."""
+    with f32_products():
+        f32 = perplexity(model, chunks, first)
+    with int16_products():
+        i16 = perplexity(chunked, chunks, first)
+    print(f"perplexity: f32 {f32:.6f}, int16 decode products {i16:.6f}")
+    return f32, i16
 
 
 def gguf_reference(path: str | os.PathLike[str], **kwargs: Any) -> Any:

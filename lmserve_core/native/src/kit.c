@@ -160,6 +160,7 @@ int lm_softcap_rows(float *x, int64_t n, float cap) {
 typedef struct {
     const lm_kernels *k;
     const lm_mm *mms;
+    const lm_xq *const *xqs; /* per product: its x quantized, or NULL (f32 products) */
     int n;
     int64_t ntok;
     int64_t total; /* rows of all products */
@@ -178,7 +179,7 @@ static void mms_task(void *arg, int task, int n_tasks, int thread) {
         if (lo < end) {
             const int64_t r1 = hi < end ? hi : end;
             lm_matmul_dot_rows(c->k, m->w.type, m->w.data, lo - base, r1 - base, m->rows,
-                               m->cols, m->x, c->ntok, m->y);
+                               m->cols, m->x, c->xqs[i], c->ntok, m->y);
             lo = r1;
         }
         base = end;
@@ -205,15 +206,42 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
         }
         return LM_OK;
     }
-    mms_ctx c = {lm_kernels_active(), mms, n, ntok, total};
+    const lm_kernels *k = lm_kernels_active();
+    /* the integer path quantizes each distinct input once (q, k and v share theirs) */
+    size_t bytes = ((size_t)n * (sizeof(lm_xq) + sizeof(lm_xq *)) + 63) & ~(size_t)63;
+    for (int i = 0; i < n; i++) {
+        if (lm_dot_uses_i16(k, mms[i].w.type)) bytes += lm_xq_bytes(ntok, mms[i].cols);
+    }
     lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
-    const int nth = lm_pool_size(acq);
+    void *own = NULL;
+    uint8_t *mem = acq != NULL ? lm_pool_scratch(acq, bytes) : (own = lm_aligned_alloc(bytes));
+    if (mem == NULL) {
+        if (acq != NULL) lm_pool_release(acq);
+        return LM_ENOMEM;
+    }
+    lm_xq *xq = (lm_xq *)mem;
+    const lm_xq **xqs = (const lm_xq **)(xq + n);
+    uint8_t *at = mem + (((size_t)n * (sizeof(lm_xq) + sizeof(lm_xq *)) + 63) & ~(size_t)63);
+    for (int i = 0; i < n; i++) {
+        xqs[i] = NULL;
+        if (!lm_dot_uses_i16(k, mms[i].w.type) || mms[i].rows == 0) continue;
+        for (int j = 0; j < i && xqs[i] == NULL; j++) {
+            if (xqs[j] != NULL && mms[j].x == mms[i].x && mms[j].cols == mms[i].cols) xqs[i] = xqs[j];
+        }
+        if (xqs[i] == NULL) {
+            lm_quantize_acts(k, mms[i].x, ntok, mms[i].cols, at, &xq[i]);
+            at += lm_xq_bytes(ntok, mms[i].cols);
+            xqs[i] = &xq[i];
+        }
+    }
+    mms_ctx c = {k, mms, xqs, n, ntok, total};
     if (acq == NULL) {
         mms_task(&c, 0, 1, 0);
+        lm_aligned_free(own);
         return LM_OK;
     }
     /* a few slices per thread balance the load when a thread runs late */
-    lm_pool_run_tasks(acq, mms_task, &c, (int)kit_min64((total + 15) / 16, 8 * nth));
+    lm_pool_run_tasks(acq, mms_task, &c, (int)kit_min64((total + 15) / 16, 8 * lm_pool_size(acq)));
     lm_pool_release(acq);
     return LM_OK;
 }

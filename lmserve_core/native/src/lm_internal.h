@@ -263,6 +263,23 @@ typedef float (*lm_dot_fn)(const void *row, const float *x, int64_t n);
 /* out[t * ldo] = dot(row, x + t * ldx) for t < nt (1..8): each block decoded once. */
 typedef void (*lm_dotn_fn)(const void *row, const float *x, int64_t ldx, int64_t n, int nt,
                            float *out, int64_t ldo);
+/* Activations quantized for the integer dot products: each token's n values (n a multiple
+ * of 32) as int16 in groups of 32, value ~= q * d; per group ds[2g] = d and ds[2g + 1] = the
+ * group's exact f32 sum (for the weights' offsets). Token t: q + t * n, ds + t * (n / 16). */
+typedef struct {
+    int16_t *q;
+    float *ds;
+    int64_t n;
+} lm_xq;
+
+/* One token's x[0..n) into q and ds (n a multiple of 32): d = max|x| / 32767 per group,
+ * q = round-to-nearest-even(x * (32767 / max|x|)); a group with a non-finite value gets
+ * d = NaN, so every product with it is NaN as in f32. q and d are bit-identical on every
+ * ISA (the sums may round differently). */
+typedef void (*lm_quant_x16_fn)(const float *x, int64_t n, int16_t *q, float *ds);
+/* out[t * ldo] = dot(row, token t0 + t of x) for t < nt (1..4), integer products per group. */
+typedef void (*lm_dotq_fn)(const void *row, const lm_xq *x, int64_t t0, int nt, float *out,
+                           int64_t ldo);
 /* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */
 typedef void (*lm_gemm_fn)(const float *a, const float *b, int64_t k, float *c);
 
@@ -270,6 +287,8 @@ typedef struct {
     lm_dequant_fn dequant[LM_NTYPES];
     lm_dot_fn dot[LM_NTYPES];
     lm_dotn_fn dotn[LM_NTYPES]; /* NULL: one dot per token */
+    lm_quant_x16_fn quant_x16;
+    lm_dotq_fn dotq[LM_NTYPES]; /* NULL: the type has no integer path (f32 products) */
     lm_gemm_fn gemm;
     int mr; /* weight rows per GEMM tile */
     int nr; /* tokens per GEMM tile */
@@ -295,6 +314,8 @@ typedef struct {
 } lm_kernels;
 
 void lm_kernels_portable(lm_kernels *k);
+/* The portable integer path (dotq.c), part of the portable table. */
+void lm_kernels_portable_i16(lm_kernels *k);
 #if LM_HAVE_X86
 void lm_kernels_avx2(lm_kernels *k);
 void lm_kernels_avx512(lm_kernels *k);
@@ -315,9 +336,20 @@ const lm_kernels *lm_kernels_active(void);
  * 8 tokens) beat decode + pack + GEMM. */
 #define LM_GEMM_MIN_TOKENS 32
 
-/* Rows [r0, r1) of y (ntok, rows) = x (ntok, cols) . w^T on the calling thread (dot path). */
+/* Rows [r0, r1) of y (ntok, rows) = x (ntok, cols) . w^T on the calling thread (dot path);
+ * with xq (x quantized by lm_quantize_acts) the integer products. */
 void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t r0, int64_t r1,
-                        int64_t rows, int64_t cols, const float *x, int64_t ntok, float *y);
+                        int64_t rows, int64_t cols, const float *x, const lm_xq *xq,
+                        int64_t ntok, float *y);
+
+/* 1 when products with `type` weights on the dot path take integer activations: the
+ * precision selected is LM_DECODE_I16 and the ISA has the type's integer kernel. */
+int lm_dot_uses_i16(const lm_kernels *k, int type);
+/* Bytes lm_quantize_acts needs for ntok x cols activations (cols a multiple of 32). */
+size_t lm_xq_bytes(int64_t ntok, int64_t cols);
+/* Quantize x (ntok, cols) into mem (lm_xq_bytes, 64-byte aligned) described by *xq. */
+void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t cols, void *mem,
+                      lm_xq *xq);
 
 /* ------------------------------------------------------------------ cache internals */
 /* 1 when the cache was made for this geometry. */

@@ -20,6 +20,7 @@ typedef struct {
     const uint8_t *w;
     int64_t rows, cols, ntok, row_bytes;
     const float *x;
+    const lm_xq *xq; /* dot path: x quantized (NULL: f32 products) */
     float *y;
     /* GEMM path */
     float *xpack;      /* ceil(ntok / nr) panels of cols x nr */
@@ -52,8 +53,10 @@ static int64_t min64(int64_t a, int64_t b) {
 
 /* ------------------------------------------------------------------ decode path */
 void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t r0, int64_t r1,
-                        int64_t rows, int64_t cols, const float *x, int64_t ntok, float *y) {
+                        int64_t rows, int64_t cols, const float *x, const lm_xq *xq,
+                        int64_t ntok, float *y) {
     lm_dot_fn dot = k->dot[type];
+    lm_dotq_fn dotq = xq != NULL ? k->dotq[type] : NULL;
     lm_dotn_fn dotn = k->dotn[type];
     /* software prefetch ~2 KiB ahead: one thread's stream alone does not keep enough
      * reads in flight to approach the memory bandwidth */
@@ -65,7 +68,11 @@ void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t
         for (const uint8_t *p = row + ahead; p < row + ahead + rb && p < end; p += 64) {
             __builtin_prefetch(p, 0, 3);
         }
-        if (ntok == 1 || dotn == NULL) {
+        if (dotq != NULL) {
+            for (int64_t t = 0; t < ntok; t += 4) {
+                dotq(row, xq, t, (int)(ntok - t < 4 ? ntok - t : 4), y + t * rows + r, rows);
+            }
+        } else if (ntok == 1 || dotn == NULL) {
             for (int64_t t = 0; t < ntok; t++) {
                 y[t * rows + r] = dot(row, x + t * cols, cols);
             }
@@ -83,7 +90,8 @@ static void mm_dot_task(void *arg, int task, int n_tasks, int thread) {
     const mm_ctx *c = arg;
     int64_t r0, r1;
     split(c->rows, task, n_tasks, &r0, &r1);
-    lm_matmul_dot_rows(c->k, c->type, c->w, r0, r1, c->rows, c->cols, c->x, c->ntok, c->y);
+    lm_matmul_dot_rows(c->k, c->type, c->w, r0, r1, c->rows, c->cols, c->x, c->xq, c->ntok,
+                       c->y);
 }
 
 /* ------------------------------------------------------------------ GEMM path */
@@ -203,11 +211,26 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     const int nth = lm_pool_size(acq);
 
     if (ntok < LM_GEMM_MIN_TOKENS) {
+        lm_xq xq;
+        void *own = NULL;
+        if (lm_dot_uses_i16(c.k, type)) {
+            const size_t bytes = lm_xq_bytes(ntok, cols);
+            void *mem = acq != NULL ? lm_pool_scratch(acq, bytes) : (own = lm_aligned_alloc(bytes));
+            if (mem == NULL) {
+                if (acq != NULL) {
+                    lm_pool_release(acq);
+                }
+                return LM_ENOMEM;
+            }
+            lm_quantize_acts(c.k, x, ntok, cols, mem, &xq);
+            c.xq = &xq;
+        }
         /* a few row chunks per thread balance the load when a thread runs late */
         run_job(acq, mm_dot_task, &c, nth == 1 ? 1 : min64((rows + 15) / 16, 8 * nth));
         if (acq != NULL) {
             lm_pool_release(acq);
         }
+        lm_aligned_free(own);
         return LM_OK;
     }
 

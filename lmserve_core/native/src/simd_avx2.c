@@ -184,9 +184,7 @@ T256 static inline void y_dec_q5_K(const block_q5_K *b, int g, const float *s, _
 
 /* Group g (0..7): half n = g/4, then gg = g%4 picks the ql half (gg&1), the nibble (gg>>1)
  * and the 2-bit field 2*gg of qh; sixteen elements per scale. */
-T256 static inline void y_dec_q6_K(const block_q6_K *b, int g, const float *s, __m256 w[4],
-                                   int fused) {
-    (void)fused;
+T256 static inline __m256i y_q6_bytes(const block_q6_K *b, int g) { /* signed, -32..31 */
     const int n = g / 4, gg = g % 4;
     const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * n + 32 * (gg & 1)));
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * n));
@@ -194,8 +192,14 @@ T256 static inline void y_dec_q6_K(const block_q6_K *b, int g, const float *s, _
                                         _mm256_set1_epi8(0x0F));
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * gg)),
                                         _mm256_set1_epi8(3));
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
-                                      _mm256_set1_epi8(32));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+T256 static inline void y_dec_q6_K(const block_q6_K *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)fused;
+    const int n = g / 4, gg = g % 4;
+    const __m256i q = y_q6_bytes(b, g);
     const float *sc = s + 8 * n + 2 * gg;
     const __m256 d0 = _mm256_set1_ps(sc[0]), d1 = _mm256_set1_ps(sc[1]);
     y_i8x16_ps(y_lo128(q), w);
@@ -651,6 +655,274 @@ T256 static void y_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
     }
 }
 
+/* ------------------------------------------------------------------ int16 activations
+ * (the integer path of dotq.c). A group's weights widen to two vectors of 16 int16, madd
+ * multiplies them with the activations' int16 in pairs, and the int32 sums (exact) take the
+ * group's float factors. */
+T256 static void y_quant_x16(const float *x, int64_t n, int16_t *q, float *ds) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < n / 32; g++) {
+        const float *xg = x + 32 * g;
+        const __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8);
+        const __m256 v2 = _mm256_loadu_ps(xg + 16), v3 = _mm256_loadu_ps(xg + 24);
+        const __m256 a = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float amax = _mm_cvtss_f32(m);
+        const float sum = y_hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+        int16_t *qg = q + 32 * g;
+        if (!isfinite(sum) || !isfinite(amax)) {
+            ds[2 * g] = ds[2 * g + 1] = NAN;
+            memset(qg, 0, 32 * sizeof *qg);
+            continue;
+        }
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+        const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+        const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        /* packs works per 128-bit lane: put the quarters back in order */
+        _mm256_storeu_si256((__m256i *)qg,
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
+        _mm256_storeu_si256((__m256i *)(qg + 16),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
+        ds[2 * g] = amax / 32767.0f;
+        ds[2 * g + 1] = sum;
+    }
+}
+
+/* Block factors straight from the f16 fields: lane 0 the scale, lane 1 the min (F16C). */
+T256 static inline __m128 y_half1(const lm_half *p) {
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(lm_load_half(p)));
+}
+
+T256 static inline __m128 y_half2(const lm_half *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
+}
+
+/* K-quant factors interleaved for the integer path: s[2g] = d * scale_g, s[2g + 1] =
+ * -dmin * min_g (a group's factor and offset in one 8-byte load); Q6_K keeps its sixteen. */
+T256 static inline void y_kq_pairs(const uint8_t *scales, const lm_half *d, float *s) {
+    uint8_t u[16];
+    lm_kq_unpack(scales, u);
+    const __m128 dm = y_half2(d); /* d, dmin */
+    const __m256 f = _mm256_mul_ps(y_u8_ps(_mm_loadl_epi64((const __m128i *)u)),
+                                   _mm256_set1_ps(_mm_cvtss_f32(dm)));
+    const __m256 o = _mm256_mul_ps(y_u8_ps(_mm_loadl_epi64((const __m128i *)(u + 8))),
+                                   _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dm))));
+    /* interleave per 128-bit lane, then store the halves in order */
+    const __m256 lo = _mm256_unpacklo_ps(f, o), hi = _mm256_unpackhi_ps(f, o);
+    _mm256_storeu_ps(s, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(s + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+#define y_qscales_q4_0(b, s) ((void)(s))
+#define y_qscales_q4_1(b, s) ((void)(s))
+#define y_qscales_q5_0(b, s) ((void)(s))
+#define y_qscales_q5_1(b, s) ((void)(s))
+#define y_qscales_q8_0(b, s) ((void)(s))
+#define y_qscales_q4_K(b, s) y_kq_pairs((b)->scales, &(b)->d, (s))
+#define y_qscales_q5_K(b, s) y_kq_pairs((b)->scales, &(b)->d, (s))
+#define y_qscales_q6_K(b, s) y_scales_q6_K((b), (s))
+
+/* y_ints_<type>(b, g, s, w): group g's integers, elements 0..15 in w[0] and 16..31 in w[1];
+ * returns its factors: lane 0 the scale, lane 1 the offset (affine encodings) or the second
+ * sixteen's scale (Q6_K). */
+T256 static inline void y_ints_u8(__m128i lo, __m128i hi, __m256i w[2]) {
+    w[0] = _mm256_cvtepu8_epi16(lo);
+    w[1] = _mm256_cvtepu8_epi16(hi);
+}
+
+T256 static inline void y_ints_i8(__m128i lo, __m128i hi, __m256i w[2]) {
+    w[0] = _mm256_cvtepi8_epi16(lo);
+    w[1] = _mm256_cvtepi8_epi16(hi);
+}
+
+/* 16 bytes widened to int16: the low nibbles of each are elements 0..15, the high ones
+ * 16..31, separated by one and / one shift. */
+T256 static inline __m256i y_bytes_u16(const uint8_t *p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+T256 static inline __m128 y_ints_q4_0(const block_q4_0 *b, int g, const float *s, __m256i w[2]) {
+    (void)g;
+    (void)s;
+    const __m256i v = y_bytes_u16(b->qs), off = _mm256_set1_epi16(8);
+    w[0] = _mm256_sub_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x0F)), off);
+    w[1] = _mm256_sub_epi16(_mm256_srli_epi16(v, 4), off);
+    return y_half1(&b->d);
+}
+
+T256 static inline __m128 y_ints_q4_1(const block_q4_1 *b, int g, const float *s, __m256i w[2]) {
+    (void)g;
+    (void)s;
+    const __m256i v = y_bytes_u16(b->qs);
+    w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    w[1] = _mm256_srli_epi16(v, 4);
+    return y_half2(&b->d);
+}
+
+T256 static inline __m128 y_ints_q5_0(const block_q5_0 *b, int g, const float *s, __m256i w[2]) {
+    (void)g;
+    (void)s;
+    const __m256i q = _mm256_sub_epi8(y_q5_bytes(b->qs, b->qh), _mm256_set1_epi8(16));
+    y_ints_i8(y_lo128(q), y_hi128(q), w);
+    return y_half1(&b->d);
+}
+
+T256 static inline __m128 y_ints_q5_1(const block_q5_1 *b, int g, const float *s, __m256i w[2]) {
+    (void)g;
+    (void)s;
+    const __m256i q = y_q5_bytes(b->qs, b->qh);
+    y_ints_u8(y_lo128(q), y_hi128(q), w);
+    return y_half2(&b->d);
+}
+
+T256 static inline __m128 y_ints_q8_0(const block_q8_0 *b, int g, const float *s, __m256i w[2]) {
+    (void)g;
+    (void)s;
+    y_ints_i8(_mm_loadu_si128((const __m128i *)b->qs),
+              _mm_loadu_si128((const __m128i *)(b->qs + 16)), w);
+    return y_half1(&b->d);
+}
+
+/* Group g of a Q4_K/Q5_K super-block from its 32 bytes (low nibbles for even g, high for
+ * odd), widened to int16 before the nibble is picked. */
+T256 static inline void y_kq_nibbles16(const uint8_t *qs, int g, __m256i w[2]) {
+    const __m256i lo = y_bytes_u16(qs + 32 * (g / 2)), hi = y_bytes_u16(qs + 32 * (g / 2) + 16);
+    if (g & 1) {
+        w[0] = _mm256_srli_epi16(lo, 4);
+        w[1] = _mm256_srli_epi16(hi, 4);
+    } else {
+        w[0] = _mm256_and_si256(lo, _mm256_set1_epi16(0x0F));
+        w[1] = _mm256_and_si256(hi, _mm256_set1_epi16(0x0F));
+    }
+}
+
+T256 static inline __m128 y_ints_q4_K(const block_q4_K *b, int g, const float *s, __m256i w[2]) {
+    y_kq_nibbles16(b->qs, g, w);
+    return _mm_castpd_ps(_mm_load_sd((const double *)(s + 2 * g)));
+}
+
+T256 static inline __m128 y_ints_q5_K(const block_q5_K *b, int g, const float *s, __m256i w[2]) {
+    /* bit g of each qh byte, moved to bit 4 */
+    const __m256i h0 = y_bytes_u16(b->qh), h1 = y_bytes_u16(b->qh + 16);
+    const __m256i bit = _mm256_set1_epi16((short)(1 << g));
+    y_kq_nibbles16(b->qs, g, w);
+    w[0] = _mm256_or_si256(w[0], _mm256_srli_epi16(_mm256_slli_epi16(_mm256_and_si256(h0, bit), 4), g));
+    w[1] = _mm256_or_si256(w[1], _mm256_srli_epi16(_mm256_slli_epi16(_mm256_and_si256(h1, bit), 4), g));
+    return _mm_castpd_ps(_mm_load_sd((const double *)(s + 2 * g)));
+}
+
+T256 static inline __m128 y_ints_q6_K(const block_q6_K *b, int g, const float *s, __m256i w[2]) {
+    const __m256i q = y_q6_bytes(b, g);
+    y_ints_i8(y_lo128(q), y_hi128(q), w);
+    return _mm_castpd_ps(_mm_load_sd((const double *)(s + 8 * (g / 4) + 2 * (g % 4))));
+}
+
+/* How a type's group factors apply: 0 one scale; 1 a scale and an offset; 2 a scale per
+ * sixteen (Q6_K). */
+#define Y_FAC_q4_0 0
+#define Y_FAC_q4_1 1
+#define Y_FAC_q5_0 0
+#define Y_FAC_q5_1 1
+#define Y_FAC_q8_0 0
+#define Y_FAC_q4_K 1
+#define Y_FAC_q5_K 1
+#define Y_FAC_q6_K 2
+
+T256 static inline __m256 y_lane0(__m128 v) {
+    return _mm256_broadcastss_ps(v);
+}
+
+T256 static inline __m256 y_lane1(__m128 v) {
+    return _mm256_broadcastss_ps(_mm_movehdup_ps(v));
+}
+
+/* Group G (block b, group g of it) for NT <= 4 tokens into acc[t]; offsets gather in lane 1
+ * of off[t]. */
+#define DEF_DOTQ_KERNELS(name, type, blk, qk)                                                      \
+    T256 static inline __attribute__((always_inline)) void y_dotq_grp_##name(                      \
+        const blk *b, int g, const float *s, int64_t G, const int NT, const int16_t *const *xq,    \
+        const float *const *ds, __m256 *acc, __m128 *off) {                                        \
+        __m256i w[2];                                                                              \
+        const __m128 fw = y_ints_##name(b, g, s, w);                                               \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+            const __m256i p0 =                                                                     \
+                _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * G)));    \
+            const __m256i p1 = _mm256_madd_epi16(                                                  \
+                w[1], _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * G + 16)));                 \
+            if (Y_FAC_##name == 2) {                                                               \
+                const __m128 p = _mm_mul_ps(fw, _mm_broadcast_ss(ds[t] + 2 * G));                  \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), y_lane0(p), acc[t]);              \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), y_lane1(p), acc[t]);              \
+            } else {                                                                               \
+                const __m128 p = Y_FAC_##name == 1                                                 \
+                                     ? _mm_mul_ps(fw, _mm_castpd_ps(_mm_load_sd(                   \
+                                                          (const double *)(ds[t] + 2 * G))))       \
+                                     : _mm_mul_ss(fw, _mm_load_ss(ds[t] + 2 * G));                 \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),             \
+                                         y_lane0(p), acc[t]);                                      \
+                if (Y_FAC_##name == 1) off[t] = _mm_add_ps(off[t], p);                             \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    /* two accumulator sets (alternate groups) so the FMA chains overlap */                        \
+    T256 static inline __attribute__((always_inline)) void y_dotq_body_##name(                     \
+        const blk *b, const lm_xq *x, int64_t t0, const int NT, float *out, int64_t ldo) {         \
+        const int64_t n = x->n, nb = n / (qk);                                                     \
+        __m256 a0[4], a1[4];                                                                       \
+        __m128 o0[4], o1[4];                                                                       \
+        const int16_t *xq[4];                                                                      \
+        const float *ds[4];                                                                        \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+            a0[t] = a1[t] = _mm256_setzero_ps();                                                   \
+            o0[t] = o1[t] = _mm_setzero_ps();                                                      \
+            xq[t] = x->q + (t0 + t) * n;                                                           \
+            ds[t] = x->ds + (t0 + t) * (n / 16);                                                   \
+        }                                                                                          \
+        float s[16];                                                                               \
+        if ((qk) / 32 >= 2) {                                                                      \
+            for (int64_t i = 0; i < nb; i++) {                                                     \
+                y_qscales_##name(b + i, s);                                                        \
+                _Pragma("GCC unroll 8") for (int g = 0; g < (qk) / 32; g += 2) {                   \
+                    const int64_t G = i * ((qk) / 32) + g;                                         \
+                    y_dotq_grp_##name(b + i, g, s, G, NT, xq, ds, a0, o0);                         \
+                    y_dotq_grp_##name(b + i, g + 1, s, G + 1, NT, xq, ds, a1, o1);                 \
+                }                                                                                  \
+            }                                                                                      \
+        } else {                                                                                   \
+            int64_t i = 0;                                                                         \
+            for (; i + 2 <= nb; i += 2) {                                                          \
+                y_dotq_grp_##name(b + i, 0, s, i, NT, xq, ds, a0, o0);                             \
+                y_dotq_grp_##name(b + i + 1, 0, s, i + 1, NT, xq, ds, a1, o1);                     \
+            }                                                                                      \
+            if (i < nb) y_dotq_grp_##name(b + i, 0, s, i, NT, xq, ds, a0, o0);                     \
+        }                                                                                          \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+            const __m128 o = _mm_add_ps(o0[t], o1[t]);                                             \
+            out[t * ldo] = y_hsum(_mm256_add_ps(a0[t], a1[t])) +                                   \
+                           _mm_cvtss_f32(_mm_movehdup_ps(o));                                      \
+        }                                                                                          \
+    }                                                                                              \
+    T256 static void y_dotq_##name(const void *row, const lm_xq *x, int64_t t0, int nt,           \
+                                   float *out, int64_t ldo) {                                      \
+        const blk *b = row;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: y_dotq_body_##name(b, x, t0, 1, out, ldo); break;                                  \
+        case 2: y_dotq_body_##name(b, x, t0, 2, out, ldo); break;                                  \
+        case 3: y_dotq_body_##name(b, x, t0, 3, out, ldo); break;                                  \
+        default: y_dotq_body_##name(b, x, t0, 4, out, ldo); break;                                 \
+        }                                                                                          \
+    }
+LM_BLOCK_TYPES(DEF_DOTQ_KERNELS)
+#undef DEF_DOTQ_KERNELS
+
 /* ------------------------------------------------------------------ GEMM micro-kernel
  * 16 weight rows (two vectors) x 6 tokens (broadcasts): 12 accumulators of 16 registers. */
 #define Y_MR 16
@@ -716,6 +988,10 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->qk_scores_f16 = y_qk_scores_f16;
     k->pv_sum_f16 = y_pv_sum_f16;
     k->f32_to_f16 = y_f32_to_f16;
+    k->quant_x16 = y_quant_x16;
+#define SET_DOTQ(name, type, blk, qk) k->dotq[type] = y_dotq_##name;
+    LM_BLOCK_TYPES(SET_DOTQ)
+#undef SET_DOTQ
 }
 
 #undef T256
@@ -732,4 +1008,20 @@ void lm_kernels_avx2(lm_kernels *k) {
 #undef Y_GRP_DECODED
 #undef Y_MR
 #undef Y_NR
+#undef Y_FAC_q4_0
+#undef y_qscales_q4_0
+#undef Y_FAC_q4_1
+#undef y_qscales_q4_1
+#undef Y_FAC_q5_0
+#undef y_qscales_q5_0
+#undef Y_FAC_q5_1
+#undef y_qscales_q5_1
+#undef Y_FAC_q8_0
+#undef y_qscales_q8_0
+#undef Y_FAC_q4_K
+#undef y_qscales_q4_K
+#undef Y_FAC_q5_K
+#undef y_qscales_q5_K
+#undef Y_FAC_q6_K
+#undef y_qscales_q6_K
 #endif /* LM_HAVE_X86 */

@@ -435,6 +435,7 @@ void lm_kernels_portable(lm_kernels *k) {
     k->qk_scores_f16 = p_qk_scores_f16;
     k->pv_sum_f16 = p_pv_sum_f16;
     k->f32_to_f16 = p_f32_to_f16;
+    lm_kernels_portable_i16(k);
 }
 
 #undef P_MR

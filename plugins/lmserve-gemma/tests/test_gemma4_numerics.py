@@ -39,9 +39,17 @@ from lmserve_gemma.gemma4_model import Gemma4Model  # noqa: E402
 from transformers.models.gemma4 import modeling_gemma4  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile  # noqa: E402
-from lmserve_core.testing.numerics import greedy, reference_greedy  # noqa: E402
+from lmserve_core.testing.numerics import f32_products, greedy, reference_greedy  # noqa: E402
 
 pytestmark = pytest.mark.reference
+
+
+@pytest.fixture(autouse=True)
+def _f32_products() -> Iterator[None]:
+    # The reference path: f32 activations in every product. The served default, int16
+    # activations in decode's products, has its own tests.
+    with f32_products():
+        yield
 
 TEXT = Path(__file__).resolve().parents[3] / "tests" / "data" / "perplexity" / "text.txt"
 

@@ -35,12 +35,20 @@ int64_t lm_row_bytes(int type, int64_t n); /* bytes of an n-element row; < 0 if 
 int lm_isa_best(void);          /* the best ISA this CPU supports */
 int lm_isa_active(void);        /* the ISA kernels currently use (default: best) */
 int lm_isa_select(int isa);     /* LM_EISA if the CPU lacks it; process-wide */
+/* enum lm_decode_precision of the few-token products; process-wide, default LM_DECODE_I16. */
+int lm_decode_precision_active(void);
+int lm_decode_precision_select(int precision);
 
 /* ------------------------------------------------------------------ rows */
 /* dst[0..n) = dequantized src row. */
 int lm_dequantize_row(int type, const void *src, float *dst, int64_t n);
 /* *out = dot(row (n elements of `type`), x (n floats)). */
 int lm_vec_dot(int type, const void *row, const float *x, int64_t n, float *out);
+/* The same through int16 activations (LM_ETYPE for a type without an integer path). */
+int lm_vec_dot_i16(int type, const void *row, const float *x, int64_t n, float *out);
+/* x[0..n) (n a multiple of 32) as the int16 activations: q[n] and, per group of 32, its
+ * step and its f32 sum in ds[2g], ds[2g + 1]. */
+int lm_quantize_x16(const float *x, int64_t n, int16_t *q, float *ds);
 
 /* ------------------------------------------------------------------ thread pool */
 lm_pool *lm_pool_new(int n_threads); /* n_threads <= 0: one per online core; NULL on failure */

@@ -7,6 +7,7 @@
 #define LMSERVE_KERNELS_IMPL_H
 
 #include "../../src/types.c"
+#include "../../src/dotq.c"
 #include "../../src/dispatch.c"
 #include "../../src/simd_avx2.c"
 #include "../../src/simd_avx512.c"

@@ -47,6 +47,11 @@ enum lm_type {
 
 enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
 
+/* Activations of the few-token products (decode, short chunks): f32 throughout, or int16 per
+ * group of 32 with integer products against the weights' integers (about 2x fewer
+ * instructions per weight; each value within max|group| / 65534 of the f32 one). */
+enum lm_decode_precision { LM_DECODE_F32 = 0, LM_DECODE_I16 = 1 };
+
 /* Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2). */
 enum lm_rope_mode { LM_ROPE_NORMAL = 0, LM_ROPE_NEOX = 2 };
 
