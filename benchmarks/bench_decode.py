@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -33,7 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# Only the engines' compute threads should run: OpenBLAS's pool (numpy's, idle here) spins
+# on the same two cores after any use.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = {"qwen3-0.6b": ("qwen3", "0.6b"), "qwen3moe-1b": ("qwen3moe", "moe-1b")}
@@ -122,7 +127,8 @@ def bench_ours(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -
             token = int(np.argmax(model.forward(cache, [token], pos)))
         decode.append(n_gen / (time.perf_counter() - started))
     model.close()
-    return {"pp": statistics.median(prefill), "tg": statistics.median(decode)}
+    return {"pp": statistics.median(prefill), "tg": statistics.median(decode),
+            "pp_best": max(prefill), "tg_best": max(decode)}
 
 
 def bench_llama_cpp(
@@ -137,7 +143,24 @@ def bench_llama_cpp(
     for row in json.loads(out.stdout):
         key = "pp" if row.get("n_prompt", 0) and not row.get("n_gen", 0) else "tg"
         result[key] = float(row["avg_ts"])
+        result[f"{key}_best"] = max(float(v) for v in row.get("samples_ts") or [row["avg_ts"]])
     return result
+
+
+def summary(name: str, records: list[dict[str, Any]]) -> str:
+    """Per model: the median of the rounds' ratios, and each engine's best rep of all rounds
+    side by side (the least disturbed run of each: on a shared machine the steadier figure)."""
+    mine = [r for r in records if r["model"] == name and r.get("ratio")]
+    if not mine:
+        return ""
+    parts = []
+    for key in ("pp", "tg"):
+        med = statistics.median(r["ratio"][key] for r in mine)
+        ours = max(r["lmserve"][f"{key}_best"] for r in mine)
+        theirs = max(r["llama.cpp"][f"{key}_best"] for r in mine)
+        parts.append(f"{key} median ratio {med:.2f}x, best {ours:.1f} vs {theirs:.1f} "
+                     f"({ours / theirs:.2f}x)")
+    return f"{name:12s} over {len(mine)} rounds: " + "; ".join(parts)
 
 
 def main() -> None:
@@ -176,6 +199,8 @@ def main() -> None:
                          f" | ratio pp {ratio['pp']:.2f}x tg {ratio['tg']:.2f}x")
             print(line, flush=True)
             records.append(record)
+        if args.llama_bench:
+            print(summary(name, records), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads,
                                          "runs": records}, indent=1) + "\n")
