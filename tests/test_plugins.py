@@ -243,7 +243,7 @@ def test_help_documents_every_flag() -> None:
     out = run_cli("--help")
     assert out.returncode == 0
     for flag in ("--host", "--port", "--ctx", "--api-key", "--queue", "--conns", "--batch",
-                 "--threads", "--kv-slots", "--backend", "--plugin"):
+                 "--threads", "--kv-slots", "--backend", "--plugin", "--decode-precision"):
         assert flag in out.stdout
 
 
@@ -255,6 +255,7 @@ def test_help_documents_every_flag() -> None:
         (["--spec", "--backend", "scripted"], "not available"),
         (["--kv-cache-dir", "/tmp/x", "--backend", "scripted"], "not available"),
         (["/nonexistent/model.gguf"], "model file not found"),
+        (["--decode-precision", "int8", "--backend", "scripted"], "invalid choice: 'int8'"),
     ],
 )
 def test_cli_refuses_bad_arguments_clearly(args: list[str], message: str) -> None:

@@ -153,3 +153,22 @@ def test_count_tokens_matches_the_prompt_tokens_of_a_reply(ant) -> None:
     usage = reply.usage
     total = usage.input_tokens + (usage.cache_read_input_tokens or 0)
     assert counted.input_tokens == total
+
+
+def test_f32_decode_precision_serves_the_same_greedy_reply(smol, oai, tmp_path) -> None:
+    """The served default (int16 activations in decode's products) and the f32 reference
+    path give the same greedy reply; the start-up log says which one runs."""
+    from processes import launch
+
+    assert '"decode_precision": "int16"' in smol.log_text()
+    ask = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
+    want = oai.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=24)
+    f32 = launch("--threads", "2", "--decode-precision", "f32", scripted=False,
+                 log_dir=tmp_path, timeout=120)
+    try:
+        assert '"decode_precision": "f32"' in f32.log_text()
+        with openai.OpenAI(base_url=f32.base_url + "/v1", api_key=API_KEY, max_retries=0) as c:
+            got = c.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=24)
+    finally:
+        f32.stop()
+    assert got.choices[0].message.content == want.choices[0].message.content
