@@ -25,9 +25,8 @@ int lm_decode_precision_select(int precision) {
     return LM_OK;
 }
 
-int lm_dot_uses_i16(const lm_kernels *k, int type) {
-    return type >= 0 && type < LM_NTYPES && k->dotq[type] != NULL && k->quant_x16 != NULL &&
-           atomic_load_explicit(&g_precision, memory_order_relaxed) == LM_DECODE_I16;
+int lm_dot_has_i16(const lm_kernels *k, int type) {
+    return type >= 0 && type < LM_NTYPES && k->dotq[type] != NULL && k->quant_x16 != NULL;
 }
 
 /* ------------------------------------------------------------------ activations */

@@ -207,10 +207,12 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
         return LM_OK;
     }
     const lm_kernels *k = lm_kernels_active();
-    /* the integer path quantizes each distinct input once (q, k and v share theirs) */
+    /* the integer path quantizes each distinct input once (q, k and v share theirs); the
+     * precision is read once, so the sizing and the quantizing below agree */
+    const int i16 = lm_decode_precision_active() == LM_DECODE_I16;
     size_t bytes = ((size_t)n * (sizeof(lm_xq) + sizeof(lm_xq *)) + 63) & ~(size_t)63;
     for (int i = 0; i < n; i++) {
-        if (lm_dot_uses_i16(k, mms[i].w.type)) bytes += lm_xq_bytes(ntok, mms[i].cols);
+        if (i16 && lm_dot_has_i16(k, mms[i].w.type)) bytes += lm_xq_bytes(ntok, mms[i].cols);
     }
     lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
     void *own = NULL;
@@ -224,7 +226,7 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
     uint8_t *at = mem + (((size_t)n * (sizeof(lm_xq) + sizeof(lm_xq *)) + 63) & ~(size_t)63);
     for (int i = 0; i < n; i++) {
         xqs[i] = NULL;
-        if (!lm_dot_uses_i16(k, mms[i].w.type) || mms[i].rows == 0) continue;
+        if (!i16 || !lm_dot_has_i16(k, mms[i].w.type) || mms[i].rows == 0) continue;
         for (int j = 0; j < i && xqs[i] == NULL; j++) {
             if (xqs[j] != NULL && mms[j].x == mms[i].x && mms[j].cols == mms[i].cols) xqs[i] = xqs[j];
         }

@@ -342,9 +342,9 @@ void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t
                         int64_t rows, int64_t cols, const float *x, const lm_xq *xq,
                         int64_t ntok, float *y);
 
-/* 1 when products with `type` weights on the dot path take integer activations: the
- * precision selected is LM_DECODE_I16 and the ISA has the type's integer kernel. */
-int lm_dot_uses_i16(const lm_kernels *k, int type);
+/* 1 when the ISA has an integer kernel for `type` weights (the dot path uses it while the
+ * precision selected is LM_DECODE_I16; read that once per product). */
+int lm_dot_has_i16(const lm_kernels *k, int type);
 /* Bytes lm_quantize_acts needs for ntok x cols activations (cols a multiple of 32). */
 size_t lm_xq_bytes(int64_t ntok, int64_t cols);
 /* Quantize x (ntok, cols) into mem (lm_xq_bytes, 64-byte aligned) described by *xq. */

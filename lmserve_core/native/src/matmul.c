@@ -213,7 +213,7 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     if (ntok < LM_GEMM_MIN_TOKENS) {
         lm_xq xq;
         void *own = NULL;
-        if (lm_dot_uses_i16(c.k, type)) {
+        if (lm_decode_precision_active() == LM_DECODE_I16 && lm_dot_has_i16(c.k, type)) {
             const size_t bytes = lm_xq_bytes(ntok, cols);
             void *mem = acq != NULL ? lm_pool_scratch(acq, bytes) : (own = lm_aligned_alloc(bytes));
             if (mem == NULL) {
