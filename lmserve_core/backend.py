@@ -8,6 +8,13 @@ A backend is an object with two methods that matter to the server:
   events into ``sink`` (text, reasoning, tool calls) and returns a ``Finish`` event.
   It checks ``sink.cancelled`` between tokens and stops early when it turns true.
 
+A backend may also batch: ``batch_size`` (how many requests it generates at once),
+``begin(request, sink)`` returning a generation handle with a ``finish`` attribute (None
+while it runs), and ``step(generations)`` advancing each unfinished one by a token (or a
+prompt chunk), setting ``finish`` on those that end. The worker then keeps up to
+``batch_size`` generations running, takes new requests in between steps and lets ended ones
+leave; ``generate`` still serves requests alone.
+
 Families that fit the generic GGUF chat path do not write these themselves: see
 ``lmserve_core.gguf_chat``.
 """
@@ -69,7 +76,7 @@ class ServerSettings:
     threads: int = 0  # 0: all cores
     kv_slots: int = 1
     kv_type: str = "f16"  # KV cache storage: "f16" or "f32"
-    batch: int = 1
+    batch: int = 4  # requests generated together (batching backends)
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -104,15 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--batch",
         type=int,
-        default=1,
-        help="decode up to N queued requests together (default 1; backends without a batch "
-        "forward serve sequentially)",
+        default=4,
+        help="generate up to N requests together, one weight pass per step for all of them; "
+        "new requests join between steps (default 4; 1: one at a time)",
     )
     s.add_argument(
         "--kv-slots",
         type=int,
         default=1,
-        help="resident KV caches reused across requests by longest common prefix (default 1)",
+        help="resident KV caches reused across requests by longest common prefix (default 1; "
+        "raised to --batch)",
     )
     s.add_argument(
         "--kv-slots-force",
@@ -228,12 +229,12 @@ def serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         extra={"model_id": args.model_id, "kv_slots_force": args.kv_slots_force},
     )
-    if args.batch > 1:
-        log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
     try:
         backend = spec.factory(model, settings)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load {model}: {exc}") from exc
+    if args.batch > 1 and not callable(getattr(backend, "step", None)):
+        log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
     gc.collect()
     memory.trim()  # what loading the vocabulary and the weight table left behind
     if args.model_id:
@@ -284,6 +285,7 @@ def serve(args: argparse.Namespace) -> int:
         backend=spec.name,
         ctx=backend.context_length,
         decode_precision=args.decode_precision,
+        batch=engine.batch_size,
         auth=bool(args.api_key),
     )
     try:

@@ -1,9 +1,13 @@
 """The bounded queue, the one inference worker, and the per-request stream pipe.
 
-Requests are accepted concurrently on the asyncio side and generated one at a time on a
-single worker thread that owns the backend. The worker never touches a socket: each
-request gets a ``RequestStream`` whose events are handed to the event loop with
-``call_soon_threadsafe``, so a client that stops reading only grows its own buffer.
+Requests are accepted concurrently on the asyncio side and generated on a single worker
+thread that owns the backend. A backend that batches (``begin`` and ``step``, see
+``lmserve_core.backend``) runs up to ``batch_size`` generations at once: the worker
+advances them a step at a time, takes queued requests into the running batch between
+steps, and lets each one leave as soon as it ends. Any other backend generates one request
+at a time. The worker never touches a socket: each request gets a ``RequestStream`` whose
+events are handed to the event loop with ``call_soon_threadsafe``, so a client that stops
+reading only grows its own buffer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -93,9 +98,10 @@ class RequestStream:
         return item  # type: ignore[return-value]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Job:
     stream: RequestStream
+    generation: Any = None  # the backend's handle while it is being generated in a batch
 
 
 class Engine:
@@ -108,7 +114,13 @@ class Engine:
         self._cond = threading.Condition()
         self._accepting = True
         self._stopping = False
-        self._current: _Job | None = None
+        self._active: list[_Job] = []  # being generated
+        # A batching backend, typed loosely: begin and step are optional in the contract.
+        self._batcher: Any = backend
+        self._batching = callable(getattr(backend, "begin", None)) and callable(
+            getattr(backend, "step", None)
+        )
+        self.batch_size = max(1, int(getattr(backend, "batch_size", 1))) if self._batching else 1
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
         self._ids = itertools.count(1)
         self._started = False
@@ -126,8 +138,8 @@ class Engine:
             self._accepting = False
             for job in self._jobs:
                 job.stream.cancel()
-            if self._current is not None:
-                self._current.stream.cancel()
+            for job in self._active:
+                job.stream.cancel()
             self._cond.notify_all()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -149,7 +161,12 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._active)
+
+    @property
+    def active(self) -> int:
+        """Requests being generated."""
+        return len(self._active)
 
     # -- submission ---------------------------------------------------------------------
 
@@ -177,6 +194,9 @@ class Engine:
     # -- the worker ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._batching:
+            self._run_batched()
+            return
         while True:
             with self._cond:
                 while not self._jobs and not self._stopping:
@@ -184,32 +204,92 @@ class Engine:
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
-                self._current = job
+                self._active.append(job)
             try:
                 self._generate(job.stream)
             finally:
                 with self._cond:
-                    self._current = None
+                    self._active.clear()
 
-    def _generate(self, stream: RequestStream) -> None:
-        request = stream.request
+    def _run_batched(self) -> None:
+        active = self._active
+        while True:
+            with self._cond:
+                while not self._jobs and not active and not self._stopping:
+                    self._cond.wait()
+                if not self._jobs and not active:
+                    return
+                joining: list[_Job] = []
+                while self._jobs and len(active) + len(joining) < self.batch_size:
+                    joining.append(self._jobs.popleft())
+                active.extend(joining)
+            for job in joining:
+                self._begin(job)
+            running = [job for job in active if job.generation is not None]
+            if running:
+                try:
+                    self._batcher.step([job.generation for job in running])
+                except Exception as exc:  # a backend bug: fail the batch, keep the worker
+                    log.exception("step_failed")
+                    for job in running:
+                        if job.generation.finish is None:
+                            job.stream.emit(
+                                ErrorEvent(f"generation failed: {exc}", 500, "server_error")
+                            )
+                            job.generation.finish = Finish("error", Usage())
+            ended = [
+                job for job in active if job.generation is None or job.generation.finish is not None
+            ]
+            for job in ended:
+                if job.generation is not None:
+                    self._end(job.stream, job.generation.finish)
+            if ended:
+                with self._cond:
+                    active[:] = [job for job in active if job not in ended]
+
+    def _begin(self, job: _Job) -> None:
+        """Start a job in the running batch; one that cannot start ends here."""
+        stream = job.stream
         if stream.cancelled:
-            stream.finish = Finish("cancelled")
-            if not self._accepting:
-                stream.emit(ErrorEvent("the server is shutting down", 503, "overloaded_error"))
-            stream._close()
-            self._log(stream, 499)
+            self._skip(stream)
             return
         stream.timing.started = time.perf_counter()
         try:
-            finish = self.backend.generate(request, stream)
-        except LmserveError as exc:
-            stream.emit(ErrorEvent(exc.message, exc.status, exc.kind))
-            finish = Finish("error")
+            job.generation = self._batcher.begin(stream.request, stream)
+        except Exception as exc:
+            self._end(stream, self._failed(stream, exc))
+
+    def _skip(self, stream: RequestStream) -> None:
+        """End a job cancelled before it started."""
+        stream.finish = Finish("cancelled")
+        if not self._accepting:
+            stream.emit(ErrorEvent("the server is shutting down", 503, "overloaded_error"))
+        stream._close()
+        self._log(stream, 499)
+
+    def _generate(self, stream: RequestStream) -> None:
+        if stream.cancelled:
+            self._skip(stream)
+            return
+        stream.timing.started = time.perf_counter()
+        try:
+            finish = self.backend.generate(stream.request, stream)
         except Exception as exc:  # never let one request take the worker down
-            log.exception("generate_failed", id=request.id)
+            finish = self._failed(stream, exc)
+        self._end(stream, finish)
+
+    @staticmethod
+    def _failed(stream: RequestStream, exc: Exception) -> Finish:
+        """Send the error a backend raised for a job; its finish."""
+        if isinstance(exc, LmserveError):
+            stream.emit(ErrorEvent(exc.message, exc.status, exc.kind))
+        else:
+            log.exception("generate_failed", id=stream.request.id)
             stream.emit(ErrorEvent(f"generation failed: {exc}", 500, "server_error"))
-            finish = Finish("error")
+        return Finish("error")
+
+    def _end(self, stream: RequestStream, finish: Finish) -> None:
+        """Send a job's finish, close its stream and log it."""
         if finish.reason == "cancelled" and not self._accepting:
             stream.emit(ErrorEvent("the server is shutting down", 503, "overloaded_error"))
         stream.finish = finish

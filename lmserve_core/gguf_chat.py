@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -47,12 +48,20 @@ from .reasoning import ThinkRouter
 from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
 from .stops import StopScanner
-from .tokenizer import Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer
 from .tools import JSON_CALL, ToolCallParser, ToolConvention, forced_call_grammar
 
 log = structlog.get_logger("lmserve.gguf_chat")
 
-PREFILL_CHUNK = 512
+_T = TypeVar("_T")
+
+PREFILL_CHUNK = 512  # most prompt tokens read in one step
+# While other generations decode, a step reads about this many seconds of prompt (at the
+# prefill speed measured so far), and at least PREFILL_MIN_SLICE tokens: a long prompt
+# arriving mid-stream delays the others' next token by about this much, not by its whole
+# prefill.
+PREFILL_SLICE_S = 0.15
+PREFILL_MIN_SLICE = 32
 _PREPARED_MAX = 64  # renderings kept between validate and generate
 
 # JSON output in one fixed, readable layout: free whitespace lets small models pad forever.
@@ -73,6 +82,35 @@ class _Prepared:
     think_inside: bool  # the prompt itself opened a think block
     matcher: Any = None  # llguidance.LLMatcher, fresh
     tools: ToolConvention | None = None  # how calls in the reply are read (None: they are not)
+
+
+@dataclass(eq=False, slots=True)
+class Generation:
+    """One request being generated: its prompt, slot, sampler, filters and progress.
+
+    ``logits`` are those of the last row written, while a token is to be sampled from them;
+    None while the prompt is still being read. ``finish`` is set when it has ended.
+    """
+
+    request: NormalizedRequest
+    prepared: _Prepared
+    sink: EventSink
+    usage: Usage
+    slot: KVSlot[KVCache] | None = None
+    sampler: Sampler = field(init=False)
+    decoder: StreamDecoder = field(init=False)
+    out: _Output | None = None
+    bits: Any = None  # the grammar's token mask words
+    budget_close: tuple[int, list[int]] | None = None
+    generated: list[int] = field(default_factory=list)
+    logits: np.ndarray | None = None
+    finish: Finish | None = None
+
+    @property
+    def kv(self) -> KVSlot[KVCache]:
+        """The slot of a generation that has started."""
+        assert self.slot is not None
+        return self.slot
 
 
 class GGUFChatBackend:
@@ -122,8 +160,10 @@ class GGUFChatBackend:
                 stop_ids.add(tid)
         self.stop_ids: frozenset[int] = frozenset(stop_ids)
 
+        # Generations decoded together; each holds a slot while it runs.
+        self.batch_size = max(1, int(settings.batch))
         per_pos = getattr(model, "kv_bytes_per_pos", None)
-        n_slots = max(1, int(settings.kv_slots))
+        n_slots = max(1, int(settings.kv_slots), self.batch_size)
         whole = getattr(model, "kv_bytes", None)
         # what the slots take once every position is written (pages commit lazily)
         full = whole(self.context_length) if callable(whole) else (
@@ -139,7 +179,7 @@ class GGUFChatBackend:
             full_mib=None if full is None else round(full * n_slots / 2**20, 1),
         )
         self.slots: SlotPool[KVCache] = SlotPool(
-            max(1, int(settings.kv_slots)),
+            n_slots,
             lambda: self.model.new_cache(self.context_length),
             self.model.copy_rows,
         )
@@ -147,6 +187,7 @@ class GGUFChatBackend:
         self._prepared_lock = threading.Lock()
         self._grammar_tokenizer: Any = None
         self._grammar_lock = threading.Lock()
+        self._prefill_rate = 0.0  # prompt tokens per second, as measured
 
     # ------------------------------------------------------------------ Backend protocol
 
@@ -161,16 +202,19 @@ class GGUFChatBackend:
                 self._prepared.popitem(last=False)
 
     def generate(self, request: NormalizedRequest, sink: EventSink) -> Finish:
-        """Generate the reply, streaming events into ``sink``; never raises."""
-        usage = Usage()
+        """Generate the reply alone, streaming events into ``sink``; never raises."""
         try:
-            return self._generate(request, sink, usage)
+            gen = self.begin(request, sink)
         except LmserveError as exc:
             sink.emit(ErrorEvent(exc.message, exc.status, exc.kind))
+            return Finish("error", Usage())
         except Exception as exc:  # one bad request must not take the worker down
             log.exception("generate_failed", id=request.id, model=self.model_id)
             sink.emit(ErrorEvent(f"generation failed: {exc}", 500, "server_error"))
-        return Finish("error", usage)
+            return Finish("error", Usage())
+        while gen.finish is None:
+            self.step([gen])
+        return gen.finish
 
     def tokenize(
         self, text: str, *, add_special: bool = False, parse_special: bool = False
@@ -369,48 +413,19 @@ class GGUFChatBackend:
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, request: NormalizedRequest, sink: EventSink, usage: Usage) -> Finish:
+    def begin(self, request: NormalizedRequest, sink: EventSink) -> Generation:
+        """Start generating ``request``: its prompt and sampler ready, a KV slot taken (the
+        worker advances it with :meth:`step`). Raises an ``LmserveError`` for a request it
+        cannot start; needs a slot that is not busy (the engine runs at most ``batch_size``
+        generations, and there are at least as many slots)."""
         prepared = self._take_prepared(request)
-        prompt = prepared.tokens
-        usage.prompt_tokens = len(prompt)
+        usage = Usage(prompt_tokens=len(prepared.tokens))
+        gen = Generation(request, prepared, sink, usage)
         if sink.cancelled:
-            return Finish("cancelled", usage)
-
-        slot, n_reuse = self.slots.adopt(prompt)
-        usage.cached_tokens = n_reuse
-        logits = self._prefill(slot, prompt, n_reuse, sink)
-        if logits is None:
-            return Finish("cancelled", usage)
-        return self._decode(request, prepared, slot, logits, sink, usage)
-
-    def _prefill(
-        self, slot: KVSlot[KVCache], prompt: Sequence[int], start: int, sink: EventSink
-    ) -> np.ndarray | None:
-        cache = slot.cache
-        logits: np.ndarray | None = None
-        pos = start
-        while pos < len(prompt):
-            if sink.cancelled:
-                return None
-            chunk = prompt[pos : pos + PREFILL_CHUNK]
-            logits = self.model.forward(cache, chunk, pos)
-            slot.tokens.extend(chunk)  # only rows the model has written join the shadow
-            pos += len(chunk)
-        return logits
-
-    def _decode(
-        self,
-        request: NormalizedRequest,
-        prepared: _Prepared,
-        slot: KVSlot[KVCache],
-        logits: np.ndarray,
-        sink: EventSink,
-        usage: Usage,
-    ) -> Finish:
-        model, cache = self.model, slot.cache
+            gen.finish = Finish("cancelled", usage)
+            return gen
         vocab = self.vocab_size
-        stop_ids = self.stop_ids
-        sampler = Sampler(
+        gen.sampler = Sampler(
             resolve(
                 request.sampling,
                 self.conventions.sampling_for(self._thinking(request)),
@@ -418,81 +433,199 @@ class GGUFChatBackend:
             ),
             vocab,
         )
-        decoder = self.tokenizer.stream_decoder(skip_special=True)
-        out = _Output(
+        gen.decoder = self.tokenizer.stream_decoder(skip_special=True)
+        gen.out = _Output(
             sink,
             StopScanner(request.stop),
             self._router(request, prepared),
             prepared.tools.parser() if prepared.tools is not None else None,
         )
-        matcher = prepared.matcher
-        bits: np.ndarray | None = None
-        if matcher is not None:
+        if prepared.matcher is not None:
             n_words = (self._ll_tokenizer().vocab_size + 31) // 32
-            bits = np.empty(n_words, dtype=np.int32)
-        budget_close = self._budget_close(request, out)
+            gen.bits = np.empty(n_words, dtype=np.int32)
+        gen.budget_close = self._budget_close(request, gen.out)
+        slot, n_reuse = self.slots.adopt(prepared.tokens)
+        slot.busy = True
+        gen.slot = slot
+        usage.cached_tokens = n_reuse
+        return gen
 
-        generated: list[int] = []
+    def step(self, gens: Sequence[Generation]) -> None:
+        """Advance every unfinished generation of ``gens`` by one step: each one decoding
+        samples its next token, and all of them write their rows in one weight pass; then
+        the first one still reading its prompt prefills one chunk of it (small while others
+        decode, so their tokens keep flowing). A generation that ends gets its ``finish``
+        and gives its slot back; one failing ends only itself."""
+        rows: list[tuple[Generation, list[int]]] = []
+        waiting: list[Generation] = []
+        for gen in gens:
+            if gen.finish is not None:
+                continue
+            if gen.logits is None:
+                waiting.append(gen)
+                continue
+            tokens = self._guard(gen, self._advance, gen)
+            if tokens:
+                rows.append((gen, tokens))
+        if rows:
+            self._write_rows(rows)
+        if waiting:
+            self._guard(waiting[0], self._prefill_some, waiting[0], bool(rows))
+            for gen in waiting[1:]:
+                if gen.sink.cancelled:
+                    self._end(gen, "cancelled")
+
+    def _guard(self, gen: Generation, fn: Callable[..., _T], *args: Any) -> _T | None:
+        """``fn(*args)``; an error ends ``gen`` alone, with an error event."""
+        try:
+            return fn(*args)
+        except LmserveError as exc:
+            gen.sink.emit(ErrorEvent(exc.message, exc.status, exc.kind))
+        except Exception as exc:  # one bad request must not take the worker down
+            log.exception("generate_failed", id=gen.request.id, model=self.model_id)
+            gen.sink.emit(ErrorEvent(f"generation failed: {exc}", 500, "server_error"))
+        self._end(gen, "error")
+        return None
+
+    def _prefill_some(self, gen: Generation, shared: bool) -> None:
+        """Prefill the next chunk of ``gen``'s prompt: at most ``PREFILL_CHUNK`` tokens, and
+        while others decode (``shared``) about ``PREFILL_SLICE_S`` seconds' worth."""
+        if gen.sink.cancelled:
+            self._end(gen, "cancelled")
+            return
+        slot, prompt = gen.kv, gen.prepared.tokens
         pos = len(slot.tokens)
-        reason: FinishReason = "length"
-        budget = prepared.max_tokens
-        while len(generated) < budget:
-            if sink.cancelled:
-                reason = "cancelled"
-                break
-            mask = None
-            if matcher is not None:
-                assert bits is not None
-                matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-                mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].view(bool)
-                if not mask.any():
-                    reason = "stop"  # the grammar allows nothing more (it is complete)
-                    break
-            tok = sampler.sample(logits, generated, mask)
-            generated.append(tok)
-            if tok in stop_ids:
-                reason = "stop"
-                break
-            if out.push(decoder.push(tok)):
-                reason = "stop_sequence"
-                break
-            if out.calls and not request.parallel_tool_calls:
-                reason = "stop"  # one call per reply: the rest is not wanted
-                break
-            if matcher is not None:
-                if not matcher.consume_token(tok):
-                    raise RuntimeError(f"grammar rejected token {tok}: {matcher.get_error()}")
-                if matcher.is_stopped():
-                    reason = "stop"
-                    break
-            if len(generated) >= budget:
-                break
-            step = [tok]
-            if budget_close is not None and out.reasoning_spent(budget_close[0]):
-                # The reasoning budget is spent: close the think block in the model's own
-                # sequence, so the answer follows it.
-                closing = budget_close[1][: budget - len(generated)]
-                budget_close = None
-                for extra in closing:
-                    out.push(decoder.push(extra), sampled=False)
-                generated.extend(closing)
-                step += closing
-                if len(generated) >= budget:
-                    break  # no row was written for these: the shadow stays exact
-            logits = model.forward(cache, step, pos)
-            slot.tokens.extend(step)
-            pos += len(step)
+        n = PREFILL_CHUNK
+        if shared:
+            n = int(min(n, max(PREFILL_MIN_SLICE, self._prefill_rate * PREFILL_SLICE_S)))
+        chunk = prompt[pos : pos + n]
+        started = time.perf_counter()
+        logits = self.model.forward(slot.cache, chunk, pos)
+        elapsed = time.perf_counter() - started
+        if len(chunk) >= PREFILL_MIN_SLICE and elapsed > 0:
+            rate = len(chunk) / elapsed
+            self._prefill_rate = 0.5 * (self._prefill_rate + rate) if self._prefill_rate else rate
+        slot.tokens.extend(chunk)  # only rows the model has written join the shadow
+        if len(slot.tokens) == len(prompt):
+            gen.logits = logits
 
-        if reason != "stop_sequence":
-            out.push(decoder.flush())
-        out.finish()
-        usage.completion_tokens = len(generated)
+    def _write_rows(self, rows: list[tuple[Generation, list[int]]]) -> None:
+        """Write each generation's new tokens and keep the logits of its last one: in one
+        weight pass when the model can (``forward_batch``), else one forward each."""
+        batch = getattr(self.model, "forward_batch", None)
+        limit = int(getattr(self.model, "n_batch", 0) or 0)
+        groups: list[list[tuple[Generation, list[int]]]] = [[]]
+        total = 0
+        for row in rows:
+            if groups[-1] and limit and total + len(row[1]) > limit:
+                groups.append([])
+                total = 0
+            groups[-1].append(row)
+            total += len(row[1])
+        for group in groups:
+            outs: list[np.ndarray] | None = None
+            if batch is not None and len(group) > 1:
+                try:
+                    outs = batch([(g.kv.cache, toks, len(g.kv.tokens)) for g, toks in group])
+                except Exception:  # find the failing one by running them one at a time
+                    log.exception("batch_forward_failed", model=self.model_id, rows=len(group))
+            if outs is not None:
+                for (gen, tokens), logits in zip(group, outs, strict=True):
+                    gen.logits = logits[-1]
+                    gen.kv.tokens.extend(tokens)
+                continue
+            for gen, tokens in group:
+                self._guard(gen, self._write_one, gen, tokens)
+
+    def _write_one(self, gen: Generation, tokens: list[int]) -> None:
+        slot = gen.kv
+        gen.logits = self.model.forward(slot.cache, tokens, len(slot.tokens))
+        slot.tokens.extend(tokens)
+
+    def _advance(self, gen: Generation) -> list[int] | None:
+        """Sample ``gen``'s next token from its logits and pass its text on; the tokens to
+        write next, or None when the generation ended."""
+        if len(gen.generated) >= gen.prepared.max_tokens:
+            self._end(gen, "length")
+            return None
+        if gen.sink.cancelled:
+            self._end(gen, "cancelled")
+            return None
+        request, out, matcher = gen.request, gen.out, gen.prepared.matcher
+        generated, budget = gen.generated, gen.prepared.max_tokens
+        mask = None
+        if matcher is not None:
+            bits = gen.bits
+            matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size]
+            mask = mask.view(bool)
+            if not mask.any():
+                self._end(gen, "stop")  # the grammar allows nothing more (it is complete)
+                return None
+        assert gen.logits is not None and out is not None
+        tok = gen.sampler.sample(gen.logits, generated, mask)
+        gen.logits = None
+        generated.append(tok)
+        if tok in self.stop_ids:
+            self._end(gen, "stop")
+            return None
+        if out.push(gen.decoder.push(tok)):
+            self._end(gen, "stop_sequence")
+            return None
+        if out.calls and not request.parallel_tool_calls:
+            self._end(gen, "stop")  # one call per reply: the rest is not wanted
+            return None
+        if matcher is not None:
+            if not matcher.consume_token(tok):
+                raise RuntimeError(f"grammar rejected token {tok}: {matcher.get_error()}")
+            if matcher.is_stopped():
+                self._end(gen, "stop")
+                return None
+        if len(generated) >= budget:
+            self._end(gen, "length")
+            return None
+        step = [tok]
+        close = gen.budget_close
+        if close is not None and out.reasoning_spent(close[0]):
+            # The reasoning budget is spent: close the think block in the model's own
+            # sequence, so the answer follows it.
+            closing = close[1][: budget - len(generated)]
+            gen.budget_close = None
+            for extra in closing:
+                out.push(gen.decoder.push(extra), sampled=False)
+            generated.extend(closing)
+            step += closing
+            if len(generated) >= budget:
+                self._end(gen, "length")  # no row was written for these: the shadow stays exact
+                return None
+        return step
+
+    def _end(self, gen: Generation, reason: FinishReason) -> None:
+        """Finish ``gen``: release what its filters hold back, set its ``finish``, free its
+        slot."""
+        if gen.finish is not None:
+            return
+        if gen.slot is not None:
+            gen.slot.busy = False
+        usage, out = gen.usage, gen.out
+        gen.logits = None
+        if reason == "error" or out is None:
+            gen.finish = Finish(reason, usage)
+            return
+        try:
+            if reason != "stop_sequence":
+                out.push(gen.decoder.flush())
+            out.finish()
+        except Exception:  # the reply is over either way; its text is already out
+            log.exception("finish_failed", id=gen.request.id, model=self.model_id)
+        usage.completion_tokens = len(gen.generated)
         usage.reasoning_tokens = out.reasoning_tokens
         if reason == "stop_sequence":
-            return Finish("stop_sequence", usage, stop_sequence=out.scanner.fired)
-        if out.calls and reason == "stop":
-            return Finish("tool_calls", usage)
-        return Finish(reason, usage)
+            gen.finish = Finish("stop_sequence", usage, stop_sequence=out.scanner.fired)
+        elif out.calls and reason == "stop":
+            gen.finish = Finish("tool_calls", usage)
+        else:
+            gen.finish = Finish(reason, usage)
 
     def _budget_close(
         self, request: NormalizedRequest, out: _Output

@@ -14,6 +14,9 @@ sliding window only one near its end, a recurrent state its own length or a chec
   false), or there is a single slot, the donor itself is cut back: reusing the prefix now
   is worth more than the chance that its conversation continues;
 * otherwise the least-recently-used slot starts from scratch.
+
+Slots of sequences being generated are ``busy``: they are never handed out or cut back, but
+they still lend a prefix by copy (the rows a busy slot holds only ever grow).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class KVSlot(Generic[C]):
     make_cache: Callable[[], C] = field(repr=False)
     tokens: list[int] = field(default_factory=list)
     last_used: int = 0
+    busy: bool = False  # a sequence is being generated in it
     _cache: C | None = field(default=None, repr=False)
 
     @property
@@ -88,37 +92,47 @@ class SlotPool(Generic[C]):
         self._tick = 0
 
     def adopt(self, prompt: Sequence[int]) -> tuple[KVSlot[C], int]:
-        """Pick the slot for ``prompt``; return it and how many leading tokens it reuses.
+        """Pick a slot that is not busy for ``prompt``; return it and how many leading tokens
+        it reuses.
 
         On return the slot's ``tokens`` are exactly the reused prefix of the prompt; the
         caller appends every token whose positions it then writes. At least one prompt token
-        is always left to prefill (the next token's logits come from it).
+        is always left to prefill (the next token's logits come from it). Raises
+        ``RuntimeError`` when every slot is busy.
         """
+        free = [slot for slot in self.slots if not slot.busy]
+        if not free:
+            raise RuntimeError("every KV slot is in use")
         self._tick += 1
         limit = max(len(prompt) - 1, 0)
-        matches = [self._match(slot, prompt, limit) for slot in self.slots if slot.tokens]
+        copy = self._copy_rows
+        matches = [
+            self._match(slot, prompt, limit)
+            for slot in self.slots
+            if slot.tokens and (not slot.busy or (copy is not None and slot.cache.kind.copy_prefix))
+        ]
         best = max(
             matches,
             key=lambda m: (m.reusable, m.continuation, m.slot.last_used),
             default=None,
         )
         if best is None or best.reusable <= SIMILARITY_GATE * len(prompt):
-            slot = self._lru()
+            slot = self._lru(free)
             slot.truncate(0)
             return self._touch(slot), 0
 
-        donor, n, copy = best.slot, best.reusable, self._copy_rows
-        if (
-            best.continuation
-            or copy is None
-            or len(self.slots) == 1
-            or not donor.cache.kind.copy_prefix
+        donor, n = best.slot, best.reusable
+        others = [slot for slot in free if slot is not donor]
+        if not donor.busy and (
+            best.continuation or copy is None or not others or not donor.cache.kind.copy_prefix
         ):
             donor.truncate(n)
             return self._touch(donor), n
 
-        # Same prefix, different conversation: copy it so the donor survives.
-        target = self._lru(exclude=donor)
+        # Same prefix, different conversation (or one still being generated): copy it so
+        # the donor survives.
+        assert copy is not None
+        target = self._lru(others)
         target.truncate(0)
         copy(donor.cache, target.cache, n)
         target.tokens[:] = prompt[:n]
@@ -132,8 +146,9 @@ class SlotPool(Generic[C]):
         reusable = slot.cache.reusable_prefix(held, wanted) if wanted > 0 else 0
         return _Match(slot, reusable, continuation=common == held)
 
-    def _lru(self, exclude: KVSlot[C] | None = None) -> KVSlot[C]:
-        return min((s for s in self.slots if s is not exclude), key=lambda s: s.last_used)
+    @staticmethod
+    def _lru(slots: list[KVSlot[C]]) -> KVSlot[C]:
+        return min(slots, key=lambda s: s.last_used)
 
     def _touch(self, slot: KVSlot[C]) -> KVSlot[C]:
         slot.last_used = self._tick

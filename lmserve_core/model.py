@@ -91,6 +91,11 @@ class ForwardModel(Protocol):
         are overwritten; rows below ``pos`` must already hold the prefix.
         """
 
+    # Optional: ``forward_batch(rows) -> list[np.ndarray]`` runs several sequences in one
+    # weight pass: ``rows`` of (cache, tokens, pos), each cache distinct, and each row's
+    # logits ``(len(tokens), n_vocab)`` for every token; ``n_batch`` bounds its tokens.
+    # Without it a batch runs as one ``forward`` per sequence.
+
     def copy_rows(self, src: KVCache, dst: KVCache, n: int) -> None:
         """Copy positions ``[0, n)`` of every layer from ``src`` into ``dst``.
 

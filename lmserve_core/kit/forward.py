@@ -287,6 +287,31 @@ class NativeForwardModel:
             kernels.forward(self._core, cache.native, ids, pos, logits, all_logits)
         return logits
 
+    def forward_batch(
+        self, rows: Sequence[tuple[Any, Sequence[int], int]]
+    ) -> list[np.ndarray]:
+        """One weight pass over several sequences: ``rows`` of (cache, tokens, pos), each
+        cache distinct, at most ``n_batch`` tokens in all. Returns each row's logits,
+        ``(len(tokens), n_vocab)`` float32, for every token."""
+        if not rows:
+            return []
+        checked = [self._check_call(cache, tokens, pos) for cache, tokens, pos in rows]
+        ntoks = np.array([ids.size for ids, _ in checked], np.int64)
+        total = int(ntoks.sum())
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens exceed the batch of {self.n_batch}")
+        if len({id(cache) for cache, _, _ in rows}) != len(rows):
+            raise ValueError("each sequence of a batch needs its own cache")
+        ids = np.concatenate([ids for ids, _ in checked])
+        pos = np.array([p for _, p in checked], np.int64)
+        logits = np.empty((total, self.n_vocab), np.float32)
+        with self._lock:
+            self._require_open()
+            kernels.forward_batch(
+                self._core, [cache.native for cache, _, _ in rows], ids, ntoks, pos, logits
+            )
+        return np.split(logits, np.cumsum(ntoks)[:-1])
+
     def forward_traced(
         self, cache: Any, tokens: Sequence[int], pos: int
     ) -> tuple[np.ndarray, Routing]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -793,4 +793,25 @@ def forward(
             1 if all_logits else 0,
         ),
         "forward",
+    )
+
+
+def forward_batch(
+    base: Any, caches: Sequence[Cache], tokens: npt.NDArray[np.int32],
+    ntoks: npt.NDArray[np.int64], pos: npt.NDArray[np.int64], logits: F32Array,
+) -> None:
+    """One weight pass over several sequences (``lm_forward_batch``): sequence i runs
+    ``ntoks[i]`` of ``tokens`` at ``pos[i]..`` of ``caches[i]``; logits of every row."""
+    ptrs = ffi.new("lm_cache *[]", [c.ptr for c in caches])
+    check(
+        lib.lm_forward_batch(
+            base,
+            len(caches),
+            ptrs,
+            ffi.cast("int32_t *", ffi.from_buffer(tokens)),
+            ffi.cast("int64_t *", ffi.from_buffer(ntoks)),
+            ffi.cast("int64_t *", ffi.from_buffer(pos)),
+            ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
+        ),
+        "forward_batch",
     )

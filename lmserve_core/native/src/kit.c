@@ -346,8 +346,49 @@ static void add_bias(float *y, const float *bias, int64_t ntok, int64_t n) {
     for (int64_t t = 0; t < ntok; t++) lm_add(y + t * n, y + t * n, bias, n);
 }
 
-int lm_self_attention(lm_base *b, const lm_attn *a, lm_cache *cache, int layer, const float *x,
-                      int64_t ntok, int64_t pos0, float *y) {
+int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float *k,
+              const float *v, int64_t r0, int64_t n, float *att) {
+    if (b == NULL || a == NULL || q == NULL || att == NULL || (k != NULL && v == NULL) ||
+        layer < 0 || layer >= b->n_layer || src < 0 || src > layer || r0 < 0 || n < 0 ||
+        r0 + n > b->n_batch || b->seqs == NULL)
+        return LM_EINVAL;
+    const lm_cache_layer *g = &b->cache_layers[src];
+    const lm_cache_layer *w = &b->cache_layers[layer];
+    if (a->n_head <= 0 || a->n_kv_head <= 0 || a->n_head % a->n_kv_head != 0 ||
+        a->n_kv_head != g->n_kv_head || a->head_dim != g->head_dim_k ||
+        a->head_dim != g->head_dim_v ||
+        (k != NULL && (a->n_kv_head != w->n_kv_head || a->head_dim != w->head_dim_k ||
+                       a->head_dim != w->head_dim_v)))
+        return LM_EMISMATCH;
+    const int64_t QD = (int64_t)a->n_head * a->head_dim;
+    const int64_t KVD = (int64_t)a->n_kv_head * a->head_dim;
+    lm_pool *pool = b->pool;
+    int64_t row0 = 0;
+    for (int s = 0; s < b->n_seqs && row0 < r0 + n; s++) {
+        const lm_seq *sq = &b->seqs[s];
+        const int64_t lo = row0 > r0 ? row0 : r0;
+        const int64_t hi = kit_min64(row0 + sq->ntok, r0 + n);
+        row0 += sq->ntok;
+        if (lo >= hi) continue;
+        const int64_t m = hi - lo, off = lo - r0;
+        const int64_t pos = sq->pos + (lo - (row0 - sq->ntok));
+        float *qs = q + off * QD;
+        if (a->rope != NULL) {
+            LM_TRY(lm_rope_rows(pool, qs, m, a->n_head, a->head_dim, pos, a->rope));
+            if (k != NULL)
+                LM_TRY(lm_rope_rows(pool, k + off * KVD, m, a->n_kv_head, a->head_dim, pos,
+                                    a->rope));
+        }
+        if (k != NULL)
+            LM_TRY(lm_cache_write(sq->cache, layer, pos, m, k + off * KVD, v + off * KVD));
+        LM_TRY(lm_attention_cached(pool, qs, sq->cache, src, att + off * QD, m, pos, a->n_head,
+                                   a->scale, a->window, a->softcap));
+    }
+    return row0 >= r0 + n ? LM_OK : LM_EINVAL;
+}
+
+int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t ntok,
+                      float *y) {
     if (b == NULL || a == NULL || x == NULL || y == NULL || layer < 0 || layer >= b->n_layer ||
         ntok < 0 || ntok > b->n_batch)
         return LM_EINVAL;
@@ -379,13 +420,7 @@ int lm_self_attention(lm_base *b, const lm_attn *a, lm_cache *cache, int layer, 
     if (a->k_norm != NULL)
         LM_TRY(lm_rmsnorm_rows(pool, k, k, a->k_norm, ntok * a->n_kv_head, a->head_dim,
                                         a->norm_eps));
-    if (a->rope != NULL) {
-        LM_TRY(lm_rope_rows(pool, q, ntok, a->n_head, a->head_dim, pos0, a->rope));
-        LM_TRY(lm_rope_rows(pool, k, ntok, a->n_kv_head, a->head_dim, pos0, a->rope));
-    }
-    LM_TRY(lm_cache_write(cache, layer, pos0, ntok, k, v));
-    LM_TRY(lm_attention_cached(pool, q, cache, layer, att, ntok, pos0, a->n_head,
-                                        a->scale, a->window, a->softcap));
+    LM_TRY(lm_attend(b, a, layer, layer, q, k, v, 0, ntok, att));
     return lm_matmul(pool, a->wo.type, a->wo.data, D, QD, att, ntok, y);
 }
 
@@ -615,13 +650,12 @@ int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const flo
 
 /* ============================================================================ decoders */
 
-int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer, int64_t ntok,
-                     int64_t pos0) {
+int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t ntok) {
     if (b == NULL || blk == NULL) return LM_EINVAL;
     const int64_t D = b->n_embd, n = ntok * D;
     const float eps = blk->norm_eps;
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->attn_norm, ntok, D, eps));
-    LM_TRY(lm_self_attention(b, &blk->attn, cache, layer, b->xb, ntok, pos0, b->xb));
+    LM_TRY(lm_self_attention(b, &blk->attn, layer, b->xb, ntok, b->xb));
     if (blk->post_attn_norm != NULL)
         LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->xb, blk->post_attn_norm, ntok, D, eps));
     LM_TRY(lm_add_rows(b->x, b->xb, n));
@@ -636,13 +670,13 @@ int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer
     return lm_add_rows(b->x, b->xb, n);
 }
 
-int lm_decoder_chunk(lm_base *b, const lm_decoder *d, lm_cache *cache, const int32_t *tokens,
-                     int64_t ntok, int64_t pos0, float *logits, int64_t first_logit) {
+int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int64_t ntok,
+                     float *logits, int64_t first_logit) {
     if (b == NULL || d == NULL || first_logit < 0 || first_logit > ntok) return LM_EINVAL;
     LM_TRY(lm_embed(b, d->token_embd, tokens, ntok));
     if (d->embd_scale != 0.0f) LM_TRY(lm_scale_rows(b->x, d->embd_scale, ntok * b->n_embd));
     for (int l = 0; l < b->n_layer; l++) {
-        LM_TRY(lm_decoder_block(b, &d->blocks[l], cache, l, ntok, pos0));
+        LM_TRY(lm_decoder_block(b, &d->blocks[l], l, ntok));
     }
     return lm_logits(b, d->output_norm, d->norm_eps, d->output, b->x + first_logit * b->n_embd,
                      ntok - first_logit, d->logit_softcap, logits);
@@ -709,10 +743,10 @@ static void decoder_model_free(void *self) {
     free(m);
 }
 
-static int decoder_model_chunk(void *self, lm_cache *cache, const int32_t *tokens, int64_t ntok,
-                               int64_t pos0, float *logits, int64_t first_logit) {
+static int decoder_model_chunk(void *self, const int32_t *tokens, int64_t ntok, float *logits,
+                               int64_t first_logit) {
     lm_decoder_model *m = self;
-    return lm_decoder_chunk(&m->base, &m->dec, cache, tokens, ntok, pos0, logits, first_logit);
+    return lm_decoder_chunk(&m->base, &m->dec, tokens, ntok, logits, first_logit);
 }
 
 int lm_decoder_new(int n_layer, lm_decoder_model **out) {
@@ -758,14 +792,30 @@ int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64
 
 /* ============================================================================ chunk driver */
 
+/* Runs one chunk of the sequences in seqs; the base's table points at them meanwhile. */
+static int run_chunk(lm_base *b, const lm_seq *seqs, int n_seqs, const int32_t *tokens,
+                     int64_t ntok, float *logits, int64_t first_logit) {
+    b->seqs = seqs;
+    b->n_seqs = n_seqs;
+    const int status = b->forward_chunk(b, tokens, ntok, logits, first_logit);
+    b->seqs = NULL;
+    b->n_seqs = 0;
+    return status;
+}
+
+static int check_tokens(const lm_base *b, const int32_t *tokens, int64_t ntok) {
+    for (int64_t i = 0; i < ntok; i++)
+        if (tokens[i] < 0 || tokens[i] >= b->n_vocab) return LM_EINVAL;
+    return LM_OK;
+}
+
 int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,
                float *logits, int all_logits) {
     if (b == NULL || cache == NULL || tokens == NULL || logits == NULL || ntok <= 0 || pos < 0 ||
         pos > lm_cache_n_ctx(cache) - ntok)
         return LM_EINVAL;
     if (!lm_cache_matches(cache, b->n_layer, b->cache_layers)) return LM_EMISMATCH;
-    for (int64_t i = 0; i < ntok; i++)
-        if (tokens[i] < 0 || tokens[i] >= b->n_vocab) return LM_EINVAL;
+    LM_TRY(check_tokens(b, tokens, ntok));
     const int64_t B = b->n_batch, V = b->n_vocab;
     for (int64_t done = 0; done < ntok; done += B) {
         const int64_t n = ntok - done < B ? ntok - done : B;
@@ -773,10 +823,44 @@ int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
         float *out = all_logits ? logits + done * V : logits;
         /* earlier chunks need no logits unless all are asked for */
         const int64_t first = all_logits ? 0 : last ? n - 1 : n;
+        const lm_seq seq = {cache, pos + done, n};
         b->trace_row = done;
-        LM_TRY(b->forward_chunk(b, cache, tokens + done, n, pos + done, out, first));
+        LM_TRY(run_chunk(b, &seq, 1, tokens + done, n, out, first));
     }
     return LM_OK;
+}
+
+int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int32_t *tokens,
+                     const int64_t *ntoks, const int64_t *pos, float *logits) {
+    /* every sequence has a row, so there are at most n_batch of them */
+    if (b == NULL || n_seqs <= 0 || n_seqs > b->n_batch || caches == NULL || tokens == NULL ||
+        ntoks == NULL || pos == NULL || logits == NULL)
+        return LM_EINVAL;
+    lm_seq *table = malloc(sizeof *table * (size_t)n_seqs);
+    if (table == NULL) return LM_ENOMEM;
+    int status = LM_OK;
+    int64_t total = 0;
+    for (int i = 0; status == LM_OK && i < n_seqs; i++) {
+        lm_cache *c = caches[i];
+        if (c == NULL || ntoks[i] <= 0 || ntoks[i] > b->n_batch || pos[i] < 0 ||
+            pos[i] > lm_cache_n_ctx(c) - ntoks[i]) {
+            status = LM_EINVAL;
+            break;
+        }
+        if (!lm_cache_matches(c, b->n_layer, b->cache_layers)) status = LM_EMISMATCH;
+        for (int j = 0; j < i; j++)
+            if (caches[j] == c) status = LM_EINVAL; /* one sequence per cache */
+        table[i] = (lm_seq){c, pos[i], ntoks[i]};
+        total += ntoks[i];
+    }
+    if (status == LM_OK && total > b->n_batch) status = LM_EINVAL;
+    if (status == LM_OK) status = check_tokens(b, tokens, total);
+    if (status == LM_OK) {
+        b->trace_row = 0;
+        status = run_chunk(b, table, n_seqs, tokens, total, logits, 0);
+    }
+    free(table);
+    return status;
 }
 
 #undef ROW_OP_MIN_ELEMS

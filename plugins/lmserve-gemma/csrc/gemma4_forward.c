@@ -87,15 +87,14 @@ static lm_matrix g4_rows_from(lm_matrix m, int64_t rows, int64_t cols) {
 
 /* ============================================================================ attention */
 
-static int g4_attention(gemma4_model *m, int layer, lm_cache *cache, const float *x, int64_t n,
-                        int64_t pos0, float *y) {
+static int g4_attention(gemma4_model *m, int layer, const float *x, int64_t r0, int64_t n,
+                        float *y) {
     lm_base *b = &m->base;
     const gemma4_layer *L = &m->layers[layer];
     const int64_t D = b->n_embd, hd = L->head_dim;
     const int64_t QD = (int64_t)L->n_head * hd, KVD = (int64_t)L->n_kv_head * hd;
     const int own = L->kv_source == layer;
     const float eps = m->c.rms_eps;
-    const lm_rotary *rope = L->swa ? &m->rope_swa : &m->rope;
     float *q, *att, *k, *v;
     float **bufs[] = {&q, &att, &k, &v};
     const int64_t lens[] = {n * QD, n * QD, own ? n * KVD : 0, own ? n * KVD : 0};
@@ -111,16 +110,19 @@ static int g4_attention(gemma4_model *m, int layer, lm_cache *cache, const float
     }
     LM_TRY(lm_matmuls(pool, mms, n_mm, n));
     LM_TRY(lm_rmsnorm_rows(pool, q, q, L->q_norm, n * L->n_head, hd, eps));
-    LM_TRY(lm_rope_rows(pool, q, n, L->n_head, (int)hd, pos0, rope));
     if (own) {
         if (L->wv.data == NULL) memcpy(v, k, sizeof(float) * (size_t)(n * KVD));
         LM_TRY(lm_rmsnorm_rows(pool, k, k, L->k_norm, n * L->n_kv_head, hd, eps));
         LM_TRY(lm_rmsnorm_rows(pool, v, v, NULL, n * L->n_kv_head, hd, eps));
-        LM_TRY(lm_rope_rows(pool, k, n, L->n_kv_head, (int)hd, pos0, rope));
-        LM_TRY(lm_cache_write(cache, layer, pos0, n, k, v));
     }
-    LM_TRY(lm_attention_cached(pool, q, cache, L->kv_source, att, n, pos0, L->n_head, 1.0f,
-                               L->swa ? m->c.n_swa : 0, 0.0f));
+    const lm_attn spec = {.n_head = L->n_head,
+                          .n_kv_head = L->n_kv_head,
+                          .head_dim = (int)hd,
+                          .scale = 1.0f,
+                          .window = L->swa ? m->c.n_swa : 0,
+                          .rope = L->swa ? &m->rope_swa : &m->rope};
+    LM_TRY(lm_attend(b, &spec, layer, L->kv_source, q, own ? k : NULL, own ? v : NULL, r0, n,
+                     att));
     return lm_matmul(pool, L->wo.type, L->wo.data, D, QD, att, n, y);
 }
 
@@ -204,9 +206,8 @@ static int g4_ple_inputs(gemma4_model *m, const int32_t *tokens, int64_t ntok) {
     return LM_OK;
 }
 
-/* Layer `layer` over rows r0 .. r0 + n - 1 of the chunk (positions pos0 + r0 ..). */
-static int g4_layer(gemma4_model *m, int layer, lm_cache *cache, int64_t r0, int64_t n,
-                    int64_t pos0) {
+/* Layer `layer` over rows r0 .. r0 + n - 1 of the chunk. */
+static int g4_layer(gemma4_model *m, int layer, int64_t r0, int64_t n) {
     lm_base *b = &m->base;
     const gemma4_layer *L = &m->layers[layer];
     const int64_t D = b->n_embd;
@@ -215,7 +216,7 @@ static int g4_layer(gemma4_model *m, int layer, lm_cache *cache, int64_t r0, int
     float *x = b->x + r0 * D, *xb = b->xb + r0 * D, *xc = m->xc + r0 * D;
 
     LM_TRY(lm_rmsnorm_rows(pool, xb, x, L->attn_norm, n, D, eps));
-    LM_TRY(g4_attention(m, layer, cache, xb, n, pos0 + r0, xb));
+    LM_TRY(g4_attention(m, layer, xb, r0, n, xb));
     LM_TRY(lm_rmsnorm_rows(pool, xb, xb, L->post_attn_norm, n, D, eps));
     LM_TRY(lm_add_rows(x, xb, n * D));
 
@@ -250,8 +251,8 @@ static int g4_layer(gemma4_model *m, int layer, lm_cache *cache, int64_t r0, int
     return LM_OK;
 }
 
-static int g4_chunk(void *self, lm_cache *cache, const int32_t *tokens, int64_t ntok,
-                    int64_t pos0, float *logits, int64_t first_logit) {
+static int g4_chunk(void *self, const int32_t *tokens, int64_t ntok, float *logits,
+                    int64_t first_logit) {
     gemma4_model *m = self;
     lm_base *b = &m->base;
     if (ntok < 0 || ntok > b->n_batch || first_logit < 0 || first_logit > ntok) return LM_EINVAL;
@@ -262,7 +263,7 @@ static int g4_chunk(void *self, lm_cache *cache, const int32_t *tokens, int64_t 
     for (int l = 0; l < m->c.n_layer; l++) {
         /* a layer without K/V of its own writes no cache: only rows with logits matter */
         const int64_t r0 = l >= m->first_shared ? first_logit : 0;
-        if (r0 < ntok) LM_TRY(g4_layer(m, l, cache, r0, ntok - r0, pos0));
+        if (r0 < ntok) LM_TRY(g4_layer(m, l, r0, ntok - r0));
     }
     return lm_logits(b, m->output_norm, m->c.rms_eps, m->output, b->x + first_logit * D,
                      ntok - first_logit, m->c.logit_softcap, logits);

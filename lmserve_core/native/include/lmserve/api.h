@@ -13,7 +13,7 @@
 
 #include "lmserve/types.h"
 
-#define LM_KIT_ABI 2
+#define LM_KIT_ABI 3
 
 #define LM_KIT_INT(X)                                                                              \
     X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \
@@ -56,9 +56,8 @@
     X(int, lm_embed, (lm_base * b, lm_matrix table, const int32_t *tokens, int64_t ntok),        \
       (b, table, tokens, ntok))                                                                    \
     X(int, lm_self_attention,                                                                      \
-      (lm_base * b, const lm_attn *a, lm_cache *cache, int layer, const float *x, int64_t ntok,  \
-       int64_t pos0, float *y),                                                                    \
-      (b, a, cache, layer, x, ntok, pos0, y))                                                      \
+      (lm_base * b, const lm_attn *a, int layer, const float *x, int64_t ntok, float *y),        \
+      (b, a, layer, x, ntok, y))                                                                   \
     X(int, lm_glu_ffn, (lm_base * b, const lm_ffn *f, const float *x, int64_t ntok, float *y),   \
       (b, f, x, ntok, y))                                                                          \
     X(int, lm_moe_ffn,                                                                             \
@@ -74,19 +73,22 @@
       (lm_base * b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,      \
        float softcap, float *logits),                                                              \
       (b, norm, eps, out, x, n, softcap, logits))                                                 \
-    X(int, lm_decoder_block,                                                                       \
-      (lm_base * b, const lm_block *blk, lm_cache *cache, int layer, int64_t ntok, int64_t pos0), \
-      (b, blk, cache, layer, ntok, pos0))                                                          \
+    X(int, lm_decoder_block, (lm_base * b, const lm_block *blk, int layer, int64_t ntok),       \
+      (b, blk, layer, ntok))                                                                       \
     X(int, lm_decoder_chunk,                                                                       \
-      (lm_base * b, const lm_decoder *d, lm_cache *cache, const int32_t *tokens, int64_t ntok,    \
-       int64_t pos0, float *logits, int64_t first_logit),                                          \
-      (b, d, cache, tokens, ntok, pos0, logits, first_logit))                                      \
+      (lm_base * b, const lm_decoder *d, const int32_t *tokens, int64_t ntok, float *logits,     \
+       int64_t first_logit),                                                                       \
+      (b, d, tokens, ntok, logits, first_logit))                                                   \
     X(int, lm_decoder_check, (const lm_base *b, const lm_decoder *d), (b, d))                    \
     X(int, lm_decoder_new, (int n_layer, lm_decoder_model **out), (n_layer, out))                \
     X(int, lm_decoder_finish,                                                                      \
       (lm_decoder_model * m, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd,     \
        lm_base **out),                                                                             \
-      (m, n_threads, n_batch, n_vocab, n_embd, out))
+      (m, n_threads, n_batch, n_vocab, n_embd, out))                                              \
+    X(int, lm_attend,                                                                              \
+      (lm_base * b, const lm_attn *a, int layer, int src, float *q, float *k, const float *v,    \
+       int64_t r0, int64_t n, float *att),                                                         \
+      (b, a, layer, src, q, k, v, r0, n, att))
 
 #define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
 

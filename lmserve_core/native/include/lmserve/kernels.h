@@ -167,9 +167,17 @@ void *lm_base_tmp(lm_base *b, size_t bytes);
 int lm_base_threads(const lm_base *b);
 /* b->x = rows `tokens` of the embedding table. */
 int lm_embed(lm_base *b, lm_matrix table, const int32_t *tokens, int64_t ntok);
-/* y (ntok, n_embd) = self-attention of normed x (ntok, n_embd), writing the cache rows. */
-int lm_self_attention(lm_base *b, const lm_attn *a, lm_cache *cache, int layer, const float *x,
-                      int64_t ntok, int64_t pos0, float *y);
+/* Attention of rows [r0, r0 + n) of the running chunk, each in its own sequence (b->seqs):
+ * rotates q (n, n_head * head_dim) and, when k is not NULL, k (n, n_kv_head * head_dim) in
+ * place at each row's position by a->rope (NULL: none), writes k and v as the rows' entries
+ * of cache layer `layer`, then attends q over cache layer `src` (`layer`, or an earlier layer
+ * whose K/V this one shares) into att (n, n_head * head_dim). a's weights are not read. */
+int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float *k,
+              const float *v, int64_t r0, int64_t n, float *att);
+/* y (ntok, n_embd) = self-attention of normed x (ntok, n_embd), the chunk's rows [0, ntok),
+ * writing their cache rows. */
+int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t ntok,
+                      float *y);
 /* y (ntok, n_embd) = gated feed-forward of x. */
 int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float *y);
 /* y (ntok, n_embd) = weighted sum of each token's chosen experts. Decode reads only the
@@ -192,11 +200,10 @@ int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, co
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits);
 /* One pre-norm block over b->x (b->xb is its scratch). */
-int lm_decoder_block(lm_base *b, const lm_block *blk, lm_cache *cache, int layer, int64_t ntok,
-                     int64_t pos0);
+int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t ntok);
 /* A whole chunk of a pre-norm decoder: a family's forward_chunk can be this one call. */
-int lm_decoder_chunk(lm_base *b, const lm_decoder *d, lm_cache *cache, const int32_t *tokens,
-                     int64_t ntok, int64_t pos0, float *logits, int64_t first_logit);
+int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int64_t ntok,
+                     float *logits, int64_t first_logit);
 /* LM_OK when every matrix of the decoder has a type the kernels decode and every pointer is
  * set, for the base's sizes; LM_ETYPE / LM_EINVAL otherwise (run it before lm_base_init's
  * model serves a call). */
@@ -211,6 +218,11 @@ int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64
  * last token, or (ntok, n_vocab) with all_logits. Checks ids, positions and cache geometry. */
 int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,
                float *logits, int all_logits);
+/* One step of several sequences in one weight pass: sequence i runs ntoks[i] tokens (taken
+ * in order from tokens) at positions pos[i].. of caches[i]; logits (sum ntoks, n_vocab) of
+ * every row. At most n_batch rows in all; the caches are distinct. Checks as lm_forward. */
+int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int32_t *tokens,
+                     const int64_t *ntoks, const int64_t *pos, float *logits);
 /* Frees a family model through its free_model callback. */
 void lm_model_free(lm_base *b);
 /* The table handed to family modules (lmserve/kit.h). */

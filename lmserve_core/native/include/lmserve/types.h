@@ -187,10 +187,19 @@ typedef struct lm_decoder {
     float logit_softcap;      /* cap * tanh(logit / cap); 0: none */
 } lm_decoder;
 
-/* The forward pass of one chunk of at most n_batch tokens at positions pos0..: writes their
- * cache rows, and logits (n_vocab floats per row) for rows [first_logit, ntok). */
-typedef int (*lm_chunk_fn)(void *model, lm_cache *cache, const int32_t *tokens, int64_t ntok,
-                           int64_t pos0, float *logits, int64_t first_logit);
+/* One sequence's rows of a chunk: consecutive rows at positions pos.. of its own cache. */
+typedef struct lm_seq {
+    lm_cache *cache;
+    int64_t pos;            /* position of its first row */
+    int64_t ntok;           /* rows it has in the chunk */
+} lm_seq;
+
+/* The forward pass of one chunk of at most n_batch rows: the rows of the sequences in the
+ * base's seqs, in order (one sequence for a prompt, several for a batched decode step).
+ * Writes every row's cache row, and logits (n_vocab floats per row) for rows
+ * [first_logit, ntok). */
+typedef int (*lm_chunk_fn)(void *model, const int32_t *tokens, int64_t ntok, float *logits,
+                           int64_t first_logit);
 
 /* Where MoE routing is recorded when a caller asks for it (tests compare it with a
  * reference): ids and weights of every layer's chosen experts, (n_layer, cap, n_used). */
@@ -216,6 +225,8 @@ typedef struct lm_base {
     float *xb;              /* (n_batch, n_embd) normed input / block output */
     void *tmp;              /* scratch of the kit's layer helpers, grown on demand */
     size_t tmp_bytes;
+    const lm_seq *seqs;     /* (n_seqs) whose rows the running chunk holds, in order */
+    int n_seqs;
     lm_trace *trace;        /* NULL unless routing is being recorded */
     int64_t trace_row;      /* first trace row of the chunk being run */
 } lm_base;
