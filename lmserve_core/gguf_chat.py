@@ -56,11 +56,11 @@ log = structlog.get_logger("lmserve.gguf_chat")
 _T = TypeVar("_T")
 
 PREFILL_CHUNK = 512  # most prompt tokens read in one step
-# While other generations decode, a step reads about this many seconds of prompt (at the
-# prefill speed measured so far), and at least PREFILL_MIN_SLICE tokens: a long prompt
-# arriving mid-stream delays the others' next token by about this much, not by its whole
-# prefill.
-PREFILL_SLICE_S = 0.15
+# While other generations decode, a step reads about this many seconds of prompt, and at
+# least PREFILL_MIN_SLICE tokens: a long prompt arriving mid-stream delays the others' next
+# token by about this much, not by its whole prefill. The slice follows the time the last
+# chunk took (a chunk's cost grows with its position).
+PREFILL_SLICE_S = 0.2
 PREFILL_MIN_SLICE = 32
 _PREPARED_MAX = 64  # renderings kept between validate and generate
 
@@ -187,7 +187,7 @@ class GGUFChatBackend:
         self._prepared_lock = threading.Lock()
         self._grammar_tokenizer: Any = None
         self._grammar_lock = threading.Lock()
-        self._prefill_rate = 0.0  # prompt tokens per second, as measured
+        self._prefill_slice = 2 * PREFILL_MIN_SLICE  # prompt tokens read per shared step
 
     # ------------------------------------------------------------------ Backend protocol
 
@@ -488,23 +488,20 @@ class GGUFChatBackend:
         return None
 
     def _prefill_some(self, gen: Generation, shared: bool) -> None:
-        """Prefill the next chunk of ``gen``'s prompt: at most ``PREFILL_CHUNK`` tokens, and
-        while others decode (``shared``) about ``PREFILL_SLICE_S`` seconds' worth."""
+        """Prefill the next chunk of ``gen``'s prompt: ``PREFILL_CHUNK`` tokens, or while
+        others decode (``shared``) about ``PREFILL_SLICE_S`` seconds' worth."""
         if gen.sink.cancelled:
             self._end(gen, "cancelled")
             return
         slot, prompt = gen.kv, gen.prepared.tokens
         pos = len(slot.tokens)
-        n = PREFILL_CHUNK
-        if shared:
-            n = int(min(n, max(PREFILL_MIN_SLICE, self._prefill_rate * PREFILL_SLICE_S)))
-        chunk = prompt[pos : pos + n]
+        chunk = prompt[pos : pos + (self._prefill_slice if shared else PREFILL_CHUNK)]
         started = time.perf_counter()
         logits = self.model.forward(slot.cache, chunk, pos)
         elapsed = time.perf_counter() - started
         if len(chunk) >= PREFILL_MIN_SLICE and elapsed > 0:
-            rate = len(chunk) / elapsed
-            self._prefill_rate = 0.5 * (self._prefill_rate + rate) if self._prefill_rate else rate
+            fit = int(len(chunk) * PREFILL_SLICE_S / elapsed)
+            self._prefill_slice = min(PREFILL_CHUNK, max(PREFILL_MIN_SLICE, fit))
         slot.tokens.extend(chunk)  # only rows the model has written join the shadow
         if len(slot.tokens) == len(prompt):
             gen.logits = logits

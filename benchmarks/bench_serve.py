@@ -1,0 +1,269 @@
+"""Many users at once: lmserve and llama.cpp's ``llama-server`` side by side over HTTP.
+
+    python benchmarks/bench_serve.py --llama-server PATH [--models smollm2,gemma3-270m]
+        [--threads 2] [--concurrency 4,8,16] [--rounds 1] [--json OUT]
+
+Both servers get the same GGUF and thread count; llama-server keeps its default parallel
+slots, lmserve its defaults (``--batch 4``, raised to the largest concurrency measured so
+the curve shows how a batch scales). Per model and server, in turns so both see the same
+machine noise:
+
+- ``chat xN``: N concurrent streaming chats of 128 greedy tokens each: aggregate
+  completion tok/s over the wall time, and time to first token p50 / p95;
+- ``long prompt``: 3 streams decoding when a prompt of about 3k tokens arrives; the
+  longest gap between two tokens of the 3 streams from its arrival on, and its own time to
+  first token.
+
+The CPU model is printed with the figures: ratios move between machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import httpx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import cpu_model, model_path  # noqa: E402
+
+TOPICS = [
+    "the history of the printing press",
+    "how bees build their hives",
+    "the water cycle",
+    "a journey across a desert",
+    "why the sky is blue",
+    "the life of a lighthouse keeper",
+    "how bread is made",
+    "the first trip to the moon",
+    "a city under the sea",
+    "how a violin is built",
+    "the migration of whales",
+    "a day in a medieval market",
+    "how volcanoes form",
+    "the invention of the telescope",
+    "a garden through the seasons",
+    "the art of map making",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, log: Path) -> Iterator[str]:
+    """Run a server until /health answers; yield its base URL; stop it."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{cmd[0]} exited:\n{log.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{cmd[0]} did not come up")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Stream:
+    """One streamed reply's timing."""
+
+    sent: float
+    tokens: list[float] = field(default_factory=list)  # arrival time of each content chunk
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.tokens[0] - self.sent if self.tokens else float("inf")
+
+
+async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    stream = Stream(sent=time.perf_counter())
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+            if reply.status_code != 200:
+                stream.error = f"{reply.status_code}: {(await reply.aread())[:200]!r}"
+                return stream
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    stream.completion_tokens = int(chunk["usage"]["completion_tokens"])
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        stream.tokens.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        stream.error = repr(exc)
+    if not stream.completion_tokens:
+        stream.completion_tokens = len(stream.tokens)
+    return stream
+
+
+def story(i: int) -> str:
+    return f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}."
+
+
+async def run_chats(url: str, n: int, max_tokens: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        started = time.perf_counter()
+        streams = await asyncio.gather(*(chat(client, url, story(i), max_tokens) for i in range(n)))
+        wall = time.perf_counter() - started
+    ttfts = sorted(s.ttft for s in streams)
+    tokens = sum(s.completion_tokens for s in streams)
+    return {
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        "errors": [s.error for s in streams if s.error],
+    }
+
+
+def long_prompt() -> str:
+    parts = [f"Section {i}: notes about {TOPICS[i % len(TOPICS)]}, with dates, places and "
+             f"names to remember for later questions." for i in range(120)]
+    return "Read these notes.\n" + "\n".join(parts) + "\nSummarise the notes in one paragraph."
+
+
+async def run_long_prompt(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        running = [asyncio.create_task(chat(client, url, story(i), 384)) for i in range(3)]
+        await asyncio.sleep(2.0)  # the three are decoding
+        arrived = time.perf_counter()
+        long = await chat(client, url, long_prompt(), 16)
+        streams = await asyncio.gather(*running)
+    gaps = [
+        b - a
+        for s in streams
+        for a, b in zip(s.tokens, s.tokens[1:], strict=False)
+        if b >= arrived
+    ]
+    return {
+        "max_gap": max(gaps, default=float("nan")),
+        "long_ttft": long.ttft,
+        "errors": [s.error for s in [*streams, long] if s.error],
+    }
+
+
+def lmserve_cmd(path: Path, port: int, threads: int, batch: int) -> list[str]:
+    return [sys.executable, "-m", "lmserve_core", str(path), "--port", str(port),
+            "--threads", str(threads), "--ctx", "4096", "--batch", str(batch),
+            "--log-level", "warning"]
+
+
+def llama_server_cmd(binary: str, path: Path, port: int, threads: int, batch: int) -> list[str]:
+    # its default parallel slots share one context: give each the 4096 lmserve's slots get
+    return [binary, "-m", str(path), "--port", str(port), "-t", str(threads),
+            "-c", str(4096 * max(4, batch)), "--log-disable"]
+
+
+def bench_server(url: str, concurrency: list[int], max_tokens: int) -> dict[str, Any]:
+    asyncio.run(run_chats(url, 1, 8))  # warm up
+    out: dict[str, Any] = {}
+    for n in concurrency:
+        out[f"chat x{n}"] = asyncio.run(run_chats(url, n, max_tokens))
+    out["long prompt"] = asyncio.run(run_long_prompt(url))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="smollm2,gemma3-270m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--llama-server", help="path of a built llama.cpp llama-server")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    concurrency = [int(n) for n in args.concurrency.split(",")]
+    batch = max(4, *concurrency)
+    print(f"CPU: {cpu_model()}, {args.threads} threads, lmserve --batch {batch}", flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    records = []
+    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+        path = model_path(name)
+        for round_ in range(1, args.rounds + 1):
+            engines = {"lmserve": lmserve_cmd}
+            if args.llama_server:
+                engines["llama-server"] = lambda p, port, t, b: llama_server_cmd(
+                    args.llama_server, p, port, t, b)
+            figures = {}
+            for engine, make in engines.items():
+                port = free_port()
+                with serving(make(path, port, args.threads, batch), port,
+                             logs / f"{engine}-{name}-{round_}.log") as url:
+                    figures[engine] = bench_server(url, concurrency, args.max_tokens)
+            records.append({"model": name, "round": round_, **figures})
+            print_table(name, round_, figures)
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_model(), "records": records}, indent=1))
+
+
+def print_table(name: str, round_: int, figures: dict[str, dict[str, Any]]) -> None:
+    engines = list(figures)
+    print(f"\n{name}, round {round_}")
+    head = "| workload | " + " | ".join(engines) + (" | ratio |" if len(engines) == 2 else " |")
+    print(head)
+    print("|---" * (len(engines) + 1 + (len(engines) == 2)) + "|")
+    for workload in figures[engines[0]]:
+        cells = []
+        values = []
+        for engine in engines:
+            f = figures[engine][workload]
+            if workload.startswith("chat"):
+                cells.append(f"{f['tok_s']:.1f} tok/s, ttft p50 {f['ttft_p50']:.2f} s "
+                             f"p95 {f['ttft_p95']:.2f} s")
+                values.append(f["tok_s"])
+            else:
+                cells.append(f"max gap {f['max_gap']:.2f} s, its ttft {f['long_ttft']:.2f} s")
+                values.append(1.0 / f["max_gap"] if f["max_gap"] else 0.0)
+            if f["errors"]:
+                cells[-1] += f" ({len(f['errors'])} errors: {f['errors'][0]})"
+        ratio = f" | {values[0] / values[1]:.2f}x" if len(values) == 2 and values[1] else ""
+        print(f"| {workload} | " + " | ".join(cells) + ratio + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
