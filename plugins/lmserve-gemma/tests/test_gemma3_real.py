@@ -26,6 +26,7 @@ from lmserve_gemma.model import Gemma3Model  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
 from lmserve_core.testing.numerics import (  # noqa: E402
+    check_batched_decode,
     check_int16_decode,
     chunk_nll,
     f32_products,
@@ -224,6 +225,10 @@ def test_prefill_equals_token_by_token_decode(ours: Gemma3Model, tokenizer: Toke
     cache = ours.new_cache(len(ids))
     stepped = np.stack([ours.forward(cache, [t], pos) for pos, t in enumerate(ids)])
     assert np.abs(batched - stepped).max() < PREFILL_DECODE_ATOL
+
+
+def test_batched_decode_equals_each_sequence_alone(ours: Gemma3Model, tokenizer: Tokenizer) -> None:
+    check_batched_decode(ours, [prompt_ids(tokenizer, p) for p in PROMPTS])
 
 
 # ---------------------------------------------------------------------------- greedy

@@ -39,7 +39,12 @@ from lmserve_gemma.gemma4_model import Gemma4Model  # noqa: E402
 from transformers.models.gemma4 import modeling_gemma4  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile  # noqa: E402
-from lmserve_core.testing.numerics import f32_products, greedy, reference_greedy  # noqa: E402
+from lmserve_core.testing.numerics import (  # noqa: E402
+    check_batched_decode,
+    f32_products,
+    greedy,
+    reference_greedy,
+)
 
 pytestmark = pytest.mark.reference
 
@@ -280,6 +285,12 @@ def test_prefill_equals_token_by_token_decode(kind: str, synthetic: Any) -> None
     diff = float(np.abs(batched - stepped).max())
     print(f"{kind}: prefill vs decode over {len(ids)} tokens: max |diff| {diff:.3g}")
     assert diff <= PATHS_ATOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_decode_equals_each_sequence_alone(kind: str, synthetic: Any) -> None:
+    ref = reference(synthetic, kind)
+    check_batched_decode(ref.ours, [ref.ids(p) for p in PROMPTS])
 
 
 @pytest.mark.parametrize("kind", KINDS)

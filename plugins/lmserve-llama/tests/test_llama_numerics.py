@@ -27,6 +27,7 @@ from lmserve_llama.plugin import default_model  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
 from lmserve_core.testing.numerics import (  # noqa: E402
+    check_batched_decode,
     check_int16_decode,
     chunk_nll,
     f32_products,
@@ -238,6 +239,10 @@ def test_prefill_equals_token_by_token_decode(ours: LlamaModel, tokenizer: Token
     diff = np.abs(batched - stepped).max()
     print(f"prefill vs decode over {len(ids)} tokens: max |diff| {diff:.3g}")
     assert diff < PREFILL_DECODE_ATOL
+
+
+def test_batched_decode_equals_each_sequence_alone(ours: LlamaModel, tokenizer: Tokenizer) -> None:
+    check_batched_decode(ours, [prompt_ids(tokenizer, p) for p in PROMPTS])
 
 
 def test_chunked_prefill_and_prefix_resume(gguf: GGUFFile, tokenizer: Tokenizer) -> None:

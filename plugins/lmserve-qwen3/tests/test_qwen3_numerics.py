@@ -39,7 +39,12 @@ from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
-from lmserve_core.testing.numerics import f32_products, greedy, reference_greedy  # noqa: E402
+from lmserve_core.testing.numerics import (  # noqa: E402
+    check_batched_decode,
+    f32_products,
+    greedy,
+    reference_greedy,
+)
 from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -220,6 +225,12 @@ def test_prefill_equals_token_by_token_decode(kind: str, synthetic: Any) -> None
     diff = float(np.abs(batched - stepped).max())
     print(f"{kind}: prefill vs decode over {len(ids)} tokens: max |diff| {diff:.3g}")
     assert diff <= PREFILL_DECODE_ATOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_decode_equals_each_sequence_alone(kind: str, synthetic: Any) -> None:
+    ref = reference(synthetic, kind)
+    check_batched_decode(ref.ours, [ref.ids(p) for p in PROMPTS])
 
 
 @pytest.mark.parametrize("kind", KINDS)
