@@ -172,24 +172,31 @@ class Engine:
 
     async def submit(self, request: NormalizedRequest) -> RequestStream:
         """Validate and enqueue; raises QueueFull, ShuttingDown or the backend's error."""
+        return (await self.submit_all([request]))[0]
+
+    async def submit_all(self, requests: list[NormalizedRequest]) -> list[RequestStream]:
+        """Validate and enqueue several requests together (the choices of one request):
+        all of them or, when the queue cannot take them all, none."""
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
-        pm.hook.prepare_request(request=request, backend=self.backend)
-        # Rendering a long prompt or compiling a grammar takes milliseconds to seconds:
-        # off the event loop, so other connections keep being served meanwhile.
-        await asyncio.to_thread(self.backend.validate, request)
-        stream = RequestStream(request, asyncio.get_running_loop())
+        for request in requests:
+            pm.hook.prepare_request(request=request, backend=self.backend)
+            # Rendering a long prompt or compiling a grammar takes milliseconds to seconds:
+            # off the event loop, so other connections keep being served meanwhile.
+            await asyncio.to_thread(self.backend.validate, request)
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(request, loop) for request in requests]
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._jobs) >= self.queue_size:
+            if len(self._jobs) + len(streams) > self.queue_size:
                 raise QueueFull(
                     f"the request queue is full ({self.queue_size} waiting); retry later",
                     retry_after=max(1, len(self._jobs)),
                 )
-            self._jobs.append(_Job(stream))
+            self._jobs.extend(_Job(stream) for stream in streams)
             self._cond.notify()
-        return stream
+        return streams
 
     # -- the worker ---------------------------------------------------------------------
 

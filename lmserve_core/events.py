@@ -44,6 +44,26 @@ class ToolCallEvent:
 
 
 @dataclass(slots=True)
+class TokenAlternative:
+    """A token and its log-probability."""
+
+    token: str  # its text (bytes that are not whole UTF-8 come out as U+FFFD)
+    logprob: float
+    bytes: list[int]  # its raw bytes
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The log-probability of one sampled token and of the most likely alternatives
+    (requests asking for logprobs). Sent before the text the token adds; ``reasoning``:
+    the token was sampled inside the reasoning channel."""
+
+    chosen: TokenAlternative
+    top: list[TokenAlternative] = field(default_factory=list)
+    reasoning: bool = False
+
+
+@dataclass(slots=True)
 class Finish:
     """The last event of a successful generation."""
 
@@ -61,7 +81,7 @@ class ErrorEvent:
     kind: str = "server_error"
 
 
-Event = TextDelta | ReasoningDelta | ToolCallEvent | Finish | ErrorEvent
+Event = TextDelta | ReasoningDelta | ToolCallEvent | TokenLogprob | Finish | ErrorEvent
 
 
 class EventSink(Protocol):

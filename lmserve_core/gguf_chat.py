@@ -38,6 +38,8 @@ from .events import (
     FinishReason,
     ReasoningDelta,
     TextDelta,
+    TokenAlternative,
+    TokenLogprob,
     ToolCallEvent,
     Usage,
 )
@@ -414,10 +416,11 @@ class GGUFChatBackend:
     # ------------------------------------------------------------------ generation
 
     def begin(self, request: NormalizedRequest, sink: EventSink) -> Generation:
-        """Start generating ``request``: its prompt and sampler ready, a KV slot taken (the
-        worker advances it with :meth:`step`). Raises an ``LmserveError`` for a request it
-        cannot start; needs a slot that is not busy (the engine runs at most ``batch_size``
-        generations, and there are at least as many slots)."""
+        """Start generating ``request``: its prompt and sampler ready (the worker advances it
+        with :meth:`step`). Raises an ``LmserveError`` for a request it cannot start. Its KV
+        slot is taken when its prompt is first read, so a generation started with others of
+        the same prompt (``n`` choices) finds their rows written and copies them; at most
+        as many generations run as there are slots (the engine runs ``batch_size``)."""
         prepared = self._take_prepared(request)
         usage = Usage(prompt_tokens=len(prepared.tokens))
         gen = Generation(request, prepared, sink, usage)
@@ -444,10 +447,6 @@ class GGUFChatBackend:
             n_words = (self._ll_tokenizer().vocab_size + 31) // 32
             gen.bits = np.empty(n_words, dtype=np.int32)
         gen.budget_close = self._budget_close(request, gen.out)
-        slot, n_reuse = self.slots.adopt(prepared.tokens)
-        slot.busy = True
-        gen.slot = slot
-        usage.cached_tokens = n_reuse
         return gen
 
     def step(self, gens: Sequence[Generation]) -> None:
@@ -493,7 +492,11 @@ class GGUFChatBackend:
         if gen.sink.cancelled:
             self._end(gen, "cancelled")
             return
-        slot, prompt = gen.kv, gen.prepared.tokens
+        prompt = gen.prepared.tokens
+        if gen.slot is None:
+            gen.slot, gen.usage.cached_tokens = self.slots.adopt(prompt)
+            gen.slot.busy = True
+        slot = gen.slot
         pos = len(slot.tokens)
         chunk = prompt[pos : pos + (self._prefill_slice if shared else PREFILL_CHUNK)]
         started = time.perf_counter()
@@ -560,12 +563,14 @@ class GGUFChatBackend:
                 self._end(gen, "stop")  # the grammar allows nothing more (it is complete)
                 return None
         assert gen.logits is not None and out is not None
-        tok = gen.sampler.sample(gen.logits, generated, mask)
+        tok = gen.sampler.sample(gen.logits, generated, mask, logprobs=request.logprobs)
         gen.logits = None
         generated.append(tok)
         if tok in self.stop_ids:
             self._end(gen, "stop")
             return None
+        if gen.sampler.logprobs is not None:  # (an end-of-turn token has none: no text)
+            gen.sink.emit(self._logprob_event(gen.sampler.logprobs, out))
         if out.push(gen.decoder.push(tok)):
             self._end(gen, "stop_sequence")
             return None
@@ -596,6 +601,18 @@ class GGUFChatBackend:
                 self._end(gen, "length")  # no row was written for these: the shadow stays exact
                 return None
         return step
+
+    def _logprob_event(
+        self, scored: tuple[int, float, list[tuple[int, float]]], out: _Output
+    ) -> TokenLogprob:
+        tok, logprob, top = scored
+
+        def alt(token_id: int, value: float) -> TokenAlternative:
+            raw = self.tokenizer.token_bytes(token_id)
+            return TokenAlternative(raw.decode("utf-8", errors="replace"), value, list(raw))
+
+        reasoning = out.router is not None and out.router.in_reasoning
+        return TokenLogprob(alt(tok, logprob), [alt(i, v) for i, v in top], reasoning)
 
     def _end(self, gen: Generation, reason: FinishReason) -> None:
         """Finish ``gen``: release what its filters hold back, set its ``finish``, free its

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,6 +102,10 @@ class NormalizedRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     sampling: Sampling = field(default_factory=Sampling)
     max_tokens: int = DEFAULT_MAX_TOKENS
+    # Log-probabilities of the sampled tokens with this many alternatives each (0: the
+    # sampled token's alone); None: none.
+    logprobs: int | None = None
+    n: int = 1  # choices: the dialect submits this many copies (choices_of)
     stop: list[str] = field(default_factory=list)
     constraint: Constraint | None = None
     reasoning: bool = False
@@ -115,3 +120,18 @@ class NormalizedRequest:
     # Set by the backend's validate: the prompt's token count, known before generation
     # (Anthropic's message_start reports it).
     prompt_tokens: int | None = None
+
+
+def choices_of(request: NormalizedRequest) -> list[NormalizedRequest]:
+    """The ``n`` generations of a request: copies with their own ids (``<id>-<i>``) and,
+    when the request has a seed, seeds ``seed + i``, so sampled choices differ."""
+    if request.n <= 1:
+        return [request]
+    out = []
+    for i in range(request.n):
+        seed = request.sampling.seed
+        sampling = dataclasses.replace(
+            request.sampling, seed=None if seed is None else seed + i
+        )
+        out.append(dataclasses.replace(request, id=f"{request.id}-{i}", n=1, sampling=sampling))
+    return out

@@ -78,6 +78,9 @@ class Sampler:
         self._counts = np.zeros(vocab_size, dtype=np.float32) if self._penalize_counts else None
         self._seen: list[int] = []  # distinct token ids with a nonzero count
         self._n_counted = 0
+        # (sampled id, its logprob, [(alternative id, logprob), ...]) of the last sample
+        # that asked for them
+        self.logprobs: tuple[int, float, list[tuple[int, float]]] | None = None
 
     # ------------------------------------------------------------------ penalties
 
@@ -96,18 +99,25 @@ class Sampler:
     # ------------------------------------------------------------------ sampling
 
     def sample(
-        self, logits: np.ndarray, recent: Sequence[int] = (), mask: np.ndarray | None = None
+        self,
+        logits: np.ndarray,
+        recent: Sequence[int] = (),
+        mask: np.ndarray | None = None,
+        *,
+        logprobs: int | None = None,
     ) -> int:
         """The next token id.
 
         ``logits``: float scores of shape ``(n,)``, ``n >= vocab_size`` (rows past the
         vocabulary are ignored). ``recent``: the tokens generated so far, oldest first (the
         same growing list across calls). ``mask``: booleans, True where a token is allowed.
+        ``logprobs``: also work out :attr:`logprobs` with that many alternatives.
         """
+        self.logprobs = None
         vals = logits[: self.vocab_size]
         window = recent[-REPEAT_LAST_N:] if self._penalize_recent else ()
         if not window and not self._penalize_counts:
-            return self._sample(vals, mask)
+            return self._sample_and_score(vals, mask, logprobs)
         if not vals.flags.writeable:
             vals = vals.copy()
         # Patch the few penalised rows in place and restore them afterwards: copying a
@@ -128,10 +138,16 @@ class Sampler:
                     old = vals[ids]
                     patches.append((ids, old))
                     vals[ids] = old - (self._counts[ids] * r.frequency_penalty + r.presence_penalty)
-            return self._sample(vals, mask)
+            return self._sample_and_score(vals, mask, logprobs)
         finally:
             for ids, old in reversed(patches):
                 vals[ids] = old
+
+    def _sample_and_score(self, vals: np.ndarray, mask: np.ndarray | None, top: int | None) -> int:
+        tok = self._sample(vals, mask)
+        if top is not None:
+            self.logprobs = token_logprobs(vals, mask, tok, top)
+        return tok
 
     def _sample(self, vals: np.ndarray, mask: np.ndarray | None) -> int:
         r = self.resolved
@@ -179,6 +195,28 @@ class Sampler:
             int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right")), vals.size - 1
         )
         return int(ids[pick]) if ids is not None else pick
+
+
+def token_logprobs(
+    vals: np.ndarray, mask: np.ndarray | None, tok: int, top: int
+) -> tuple[int, float, list[tuple[int, float]]]:
+    """Log-probabilities under the distribution the reported ``logprobs`` are taken from:
+    the softmax of the logits after the penalties and the grammar's mask (disallowed tokens
+    get -inf), before temperature and the top-k / top-p / min-p cut-offs, so they do not
+    depend on how the token was drawn. Returns the sampled token's, and the ``top`` most
+    likely tokens', most likely first."""
+    scores = vals.astype(np.float64)
+    if mask is not None:
+        scores = np.where(mask[: scores.size], scores, -np.inf)
+    best = float(scores.max())
+    log_z = best + math.log(float(np.exp(scores - best).sum()))
+    alts: list[tuple[int, float]] = []
+    if top > 0:
+        k = min(top, scores.size)
+        ids = np.argpartition(-scores, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -scores[ids]))]
+        alts = [(int(i), float(scores[i]) - log_z) for i in ids if np.isfinite(scores[i])]
+    return tok, float(scores[tok]) - log_z, alts
 
 
 # Above this many candidates a full sort costs more than narrowing first.

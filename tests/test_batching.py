@@ -285,15 +285,18 @@ def test_new_conversations_copy_a_shared_prefix_from_a_busy_or_resident_donor(
     check_shadow(backend)
 
 
-def test_every_slot_busy_is_refused(gguf: GGUFFile) -> None:
+def test_a_generation_without_a_free_slot_ends_with_an_error(gguf: GGUFFile) -> None:
     backend = backend_for(gguf, batch=2, slots=2)
     requests = [noisy(3), noisy(5), noisy(7)]
     for r in requests:
         backend.validate(r)
-    backend.begin(requests[0], ListSink())
-    backend.begin(requests[1], ListSink())
-    with pytest.raises(RuntimeError, match="in use"):
-        backend.begin(requests[2], ListSink())
+    sinks = [ListSink() for _ in requests]
+    gens = [backend.begin(r, s) for r, s in zip(requests, sinks, strict=True)]
+    for _ in range(3):
+        backend.step(gens)
+    assert gens[2].finish is not None and gens[2].finish.reason == "error"
+    assert "in use" in sinks[2].events[-1].message  # type: ignore[union-attr]
+    assert gens[0].finish is None and gens[1].finish is None
 
 
 # ---------------------------------------------------------------------------- the engine

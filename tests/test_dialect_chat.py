@@ -150,7 +150,7 @@ def test_tool_only_reply_has_null_content() -> None:
 
     fake_server: Any = SimpleNamespace(model_id="m", backend=SimpleNamespace(name="b"))
     reply = Collected(tool_calls=[ToolCall(id="", name="f", arguments="{}")], finish=Finish("stop"))
-    body = ChatEncoder(fake_server, "chatcmpl-x").completion(reply)
+    body = ChatEncoder(fake_server, "chatcmpl-x").completion([reply])
     choice = body["choices"][0]
     assert choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["id"].startswith("call_")  # never empty
@@ -499,9 +499,10 @@ def test_missing_key(server: Any) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"logit_bias": {"42": 5}}, "logit_bias"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),

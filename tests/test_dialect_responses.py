@@ -541,7 +541,8 @@ def test_namespace_tools_are_offered_and_called_by_namespace(server: Any) -> Non
         ({"background": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"truncation": "auto"}, "truncation"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True}, "logprobs"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ],
 )

@@ -159,3 +159,27 @@ def test_penalties_leave_the_callers_logits_unchanged() -> None:
     frozen.flags.writeable = False
     greedy = Sampler(rs(temperature=0.0, presence_penalty=5.0), 4)
     assert greedy.sample(frozen, [0]) == 1
+
+
+def test_logprobs_are_the_softmax_after_penalties_and_mask() -> None:
+    logits = logits_of(PROBS)
+    plain = Sampler(rs(temperature=0.7, top_k=2), 5)
+    tok = plain.sample(logits, logprobs=3)
+    assert plain.logprobs is not None
+    chosen, value, top = plain.logprobs
+    # the model's distribution: neither temperature nor top-k changes it
+    assert chosen == tok and value == pytest.approx(math.log(PROBS[tok]), abs=1e-6)
+    assert [i for i, _ in top] == [0, 1, 2]
+    assert [v for _, v in top] == pytest.approx([math.log(p) for p in PROBS[:3]], abs=1e-6)
+    # a penalty moves the reported values; a mask renormalises over the allowed tokens
+    penalised = Sampler(rs(temperature=0.0, presence_penalty=1.0), 5)
+    penalised.sample(logits, [0], mask=np.array([True, True, False, True, True]), logprobs=5)
+    assert penalised.logprobs is not None
+    _, _, top = penalised.logprobs
+    scores = np.log(np.asarray(PROBS, dtype=np.float64))
+    scores[0] -= 1.0
+    scores[2] = -np.inf
+    want = scores - np.log(np.exp(scores).sum())
+    assert [i for i, _ in top] == [1, 0, 3, 4]  # the disallowed token is not offered
+    assert [v for _, v in top] == pytest.approx(list(want[[1, 0, 3, 4]]), abs=1e-6)
+    assert penalised.sample(logits) == 0 and penalised.logprobs is None

@@ -8,15 +8,24 @@ import json
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Request
 from litestar.response import Stream
 
 from ..engine import Engine, RequestStream
 from ..errors import InvalidRequest, LmserveError
-from ..events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent
-from ..request import DEFAULT_MAX_TOKENS, NormalizedRequest, ToolCall
+from ..events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenAlternative,
+    TokenLogprob,
+    ToolCallEvent,
+)
+from ..request import DEFAULT_MAX_TOKENS, NormalizedRequest, ToolCall, choices_of
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -58,6 +67,20 @@ def json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def _alternative_json(entry: TokenAlternative) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
+
+
+def content_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's token logprobs (chat's ``logprobs.content``, a Responses output text's
+    ``logprobs``) of the reply's tokens, not of its reasoning."""
+    return [
+        {**_alternative_json(e.chosen), "top_logprobs": [_alternative_json(t) for t in e.top]}
+        for e in entries
+        if not e.reasoning
+    ]
+
+
 def error_from_event(event: ErrorEvent) -> LmserveError:
     """The HTTP error for an error that happened before any output was sent."""
     err = LmserveError(event.message, status=event.status)
@@ -72,10 +95,26 @@ class Collected:
     text: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: Finish = field(default_factory=lambda: Finish("error"))
 
 
-async def _watch_disconnect(request: Request[Any, Any, Any], stream: RequestStream) -> None:
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class StreamGroup:
+    """The streams of one request's choices, cancelled together."""
+
+    def __init__(self, streams: list[RequestStream]) -> None:
+        self.streams = streams
+
+    def cancel(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+
+
+async def _watch_disconnect(request: Request[Any, Any, Any], stream: Cancellable) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -90,28 +129,41 @@ async def collect(
 
     Raises the ``LmserveError`` of an ``ErrorEvent`` (it becomes the HTTP error).
     """
-    stream = await engine.submit(normalized)
-    watcher = asyncio.create_task(_watch_disconnect(request, stream))
-    out = Collected()
-    text: list[str] = []
-    reasoning: list[str] = []
+    return (await collect_choices(engine, request, normalized))[0]
+
+
+async def collect_choices(
+    engine: Engine, request: Request[Any, Any, Any], normalized: NormalizedRequest
+) -> list[Collected]:
+    """:func:`collect` for each of the request's ``n`` choices."""
+    group = StreamGroup(await engine.submit_all(choices_of(normalized)))
+    watcher = asyncio.create_task(_watch_disconnect(request, group))
     try:
-        async for event in stream:
-            if isinstance(event, TextDelta):
-                text.append(event.text)
-            elif isinstance(event, ReasoningDelta):
-                reasoning.append(event.text)
-            elif isinstance(event, ToolCallEvent):
-                out.tool_calls.append(event.call)
-            elif isinstance(event, ErrorEvent):
-                raise error_from_event(event)
-            elif isinstance(event, Finish):
-                out.finish = event
+        return list(await asyncio.gather(*(_gather(stream) for stream in group.streams)))
     finally:
-        stream.cancel()  # a no-op once finished; stops the job if we left early
+        group.cancel()  # a no-op once finished; stops the jobs if we left early
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+async def _gather(stream: RequestStream) -> Collected:
+    out = Collected()
+    text: list[str] = []
+    reasoning: list[str] = []
+    async for event in stream:
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            reasoning.append(event.text)
+        elif isinstance(event, ToolCallEvent):
+            out.tool_calls.append(event.call)
+        elif isinstance(event, TokenLogprob):
+            out.logprobs.append(event)
+        elif isinstance(event, ErrorEvent):
+            raise error_from_event(event)
+        elif isinstance(event, Finish):
+            out.finish = event
     out.text = "".join(text)
     out.reasoning = "".join(reasoning)
     return out
@@ -123,17 +175,72 @@ async def open_stream(
     """Submit and wait for the first event, so errors before any output are plain HTTP
     errors (streams start lazily). Returns the stream and the events read so far."""
     stream = await engine.submit(normalized)
+    return stream, await _head(stream)
+
+
+async def _head(stream: RequestStream) -> list[Event]:
     try:
         first = await anext(stream)
     except StopAsyncIteration:
-        return stream, []
+        return []
     except BaseException:
         stream.cancel()
         raise
     if isinstance(first, ErrorEvent):
         stream.cancel()
         raise error_from_event(first)
-    return stream, [first]
+    return [first]
+
+
+async def open_choices(
+    engine: Engine, normalized: NormalizedRequest
+) -> tuple[StreamGroup, AsyncIterator[tuple[int, Event]]]:
+    """:func:`open_stream` for each of the request's ``n`` choices: the group, and every
+    choice's events tagged with its index, as they come. Waits for the first choice's first
+    event; a later choice's error arrives in its stream."""
+    group = StreamGroup(await engine.submit_all(choices_of(normalized)))
+    try:
+        head = await _head(group.streams[0])
+    except BaseException:
+        group.cancel()
+        raise
+    if len(group.streams) == 1:
+        return group, _indexed(replay(group.streams[0], head))
+    return group, _merged(group.streams, head)
+
+
+async def _indexed(events: AsyncIterator[Event]) -> AsyncIterator[tuple[int, Event]]:
+    async for event in events:
+        yield 0, event
+
+
+async def _merged(
+    streams: list[RequestStream], head: list[Event]
+) -> AsyncIterator[tuple[int, Event]]:
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncIterator[Event]) -> None:
+        try:
+            async for event in events:
+                await queue.put((index, event))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [
+        asyncio.create_task(pump(i, replay(stream, head if i == 0 else [])))
+        for i, stream in enumerate(streams)
+    ]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, event = await queue.get()
+            if event is None:
+                remaining -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def replay(stream: RequestStream, head: list[Event]) -> AsyncIterator[Event]:
@@ -145,7 +252,7 @@ async def replay(stream: RequestStream, head: list[Event]) -> AsyncIterator[Even
 
 
 def sse_response(
-    stream: RequestStream, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+    stream: Cancellable, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
 ) -> Stream:
     """A text/event-stream response; a dropped client cancels the generation."""
 

@@ -85,12 +85,29 @@ def sampling_from(body: SamplingFields) -> Sampling:
     )
 
 
+MAX_CHOICES = 16  # n
+
+
 def check_common_rejections(body: SamplingFields) -> None:
     """Fields both endpoints refuse rather than silently drop."""
-    if body.n is not None and body.n != 1:
-        raise reject("n", "must be 1: one choice per request is served")
     if body.logit_bias:
         raise reject("logit_bias")
+
+
+def choices_from(body: SamplingFields) -> int:
+    """``n``: how many choices to generate, 1 to ``MAX_CHOICES``."""
+    n = body.n
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest(f"'n' must be between 1 and {MAX_CHOICES}", param="n")
+    return n
+
+
+def _top_logprobs(value: int | None, param: str, most: int) -> int:
+    if isinstance(value, bool) or value is None or not 0 <= value <= most:
+        raise InvalidRequest(f"'{param}' must be between 0 and {most}", param=param)
+    return value
 
 
 def stop_from(body: SamplingFields, caps: Capabilities) -> list[str]:
@@ -334,10 +351,11 @@ def chat_request(
         raise reject("functions", "(legacy functions API) is not supported; use tools")
     if body.function_call is not None:
         raise reject("function_call", "(legacy functions API) is not supported; use tool_choice")
+    logprobs: int | None = None
     if body.logprobs:
-        raise reject("logprobs")
-    if body.top_logprobs:
-        raise reject("top_logprobs")
+        logprobs = _top_logprobs(body.top_logprobs or 0, "top_logprobs", 20)
+    elif body.top_logprobs is not None:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if body.modalities and any(m != "text" for m in body.modalities):
         raise reject("modalities", 'must be ["text"]: audio output is not supported')
     if body.audio is not None:
@@ -369,6 +387,8 @@ def chat_request(
         messages=messages,
         sampling=sampling,
         max_tokens=max_tokens,
+        logprobs=logprobs,
+        n=choices_from(body),
         stop=stop,
         stream=stream,
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
@@ -404,8 +424,9 @@ def completion_request(
         raise reject("suffix", "(insertion) is not supported")
     if body.best_of is not None and body.best_of != 1:
         raise reject("best_of", "must be 1")
+    logprobs = None
     if body.logprobs is not None:
-        raise reject("logprobs")
+        logprobs = _top_logprobs(body.logprobs, "logprobs", 5)
     stream = bool(body.stream)
     return NormalizedRequest(
         id=request_id,
@@ -413,6 +434,8 @@ def completion_request(
         prompt=prompt,
         sampling=sampling_from(body),
         max_tokens=bounded_max_tokens(body.max_tokens, "max_tokens", ctx),
+        logprobs=logprobs,
+        n=choices_from(body),
         stop=stop_from(body, caps),
         constraint=_one_constraint(body, caps),
         stream=stream,

@@ -83,13 +83,12 @@ def _check_rejected(body: ResponsesRequest) -> None:
     if body.n is not None and body.n != 1:
         raise reject("n", "must be 1")
     if body.logprobs:
-        raise reject("logprobs")
-    if body.top_logprobs:
-        raise reject("top_logprobs")
+        raise reject("logprobs", "is not a Responses field: use include and top_logprobs")
+    top = body.top_logprobs
+    if top is not None and (isinstance(top, bool) or not 0 <= top <= 20):
+        raise InvalidRequest("'top_logprobs' must be between 0 and 20", param="top_logprobs")
     if body.prompt is not None:
         raise reject("prompt", "is not supported: the server has no stored prompt templates")
-    if body.include and "message.output_text.logprobs" in body.include:
-        raise reject("include", "'message.output_text.logprobs' is not supported")
 
 
 def _check_range(name: str, value: float | None, low: float, high: float) -> None:
@@ -455,7 +454,7 @@ def _echo(body: ResponsesRequest, tools: list[Tool], max_tokens: int) -> dict[st
             for tool in tools
             if tool.name not in grouped  # namespaced tools: not a type the SDKs model here
         ],
-        "top_logprobs": 0,
+        "top_logprobs": body.top_logprobs or 0,
         "top_p": body.top_p,
         "user": body.user,
     }
@@ -487,6 +486,11 @@ def translate(body: ResponsesRequest, server: Server) -> Translated:
         max_tokens=max_tokens,
         stop=stop,
         stream=bool(body.stream),
+        logprobs=(
+            (body.top_logprobs or 0)
+            if body.include and "message.output_text.logprobs" in body.include
+            else None
+        ),
         model=body.model,
     )
     decision.apply(normalized)

@@ -7,9 +7,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
+from ..events import (
+    ErrorEvent,
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallEvent,
+    Usage,
+)
 from ..request import ToolCall
-from .common import Collected, new_id, sse_event
+from .common import Collected, content_logprobs, new_id, sse_event
 
 
 @dataclass(slots=True)
@@ -68,12 +77,14 @@ def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def output_text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [output_text_part(text)]
+def message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [output_text_part(text, logprobs)]
     return {
         "type": "message",
         "id": item_id,
@@ -120,7 +131,8 @@ def encode_response(meta: ResponseMeta, collected: Collected) -> dict[str, Any]:
         output.append(reasoning_item(new_id("rs_"), collected.reasoning, "completed"))
     # a turn that only calls functions has no message item, as on the OpenAI API
     if collected.text or not collected.tool_calls:
-        output.append(message_item(new_id("msg_"), collected.text, status))
+        logprobs = content_logprobs(collected.logprobs)
+        output.append(message_item(new_id("msg_"), collected.text, status, logprobs))
     for call in collected.tool_calls:
         output.append(
             function_call_item(new_id("fc_"), call, call.arguments, "completed", meta.namespaces)
@@ -144,6 +156,8 @@ class ResponsesStreamEncoder:
         self._open_text: list[str] = []
         self._calls: list[ToolCall] = []
         self._saw_message = False
+        self._pending: list[TokenLogprob] = []  # logprobs of tokens whose text is to come
+        self._open_logprobs: list[dict[str, Any]] = []  # of the open message item
 
     def _frame(self, kind: str, payload: dict[str, Any]) -> bytes:
         data = {"type": kind, "sequence_number": self._seq, **payload}
@@ -164,6 +178,9 @@ class ResponsesStreamEncoder:
                     yield frame
             elif isinstance(event, ToolCallEvent):
                 self._calls.append(event.call)
+            elif isinstance(event, TokenLogprob):
+                if not event.reasoning:
+                    self._pending.append(event)
             elif isinstance(event, ErrorEvent):
                 for frame in self._failed(event):
                     yield frame
@@ -211,10 +228,16 @@ class ResponsesStreamEncoder:
                 ),
             ]
         else:
-            done = message_item(item["id"], text, status)
+            logprobs = self._open_logprobs
+            done = message_item(item["id"], text, status, logprobs)
             frames = [
-                self._frame("response.output_text.done", {**ids, "text": text, "logprobs": []}),
-                self._frame("response.content_part.done", {**ids, "part": output_text_part(text)}),
+                self._frame(
+                    "response.output_text.done", {**ids, "text": text, "logprobs": logprobs}
+                ),
+                self._frame(
+                    "response.content_part.done",
+                    {**ids, "part": output_text_part(text, logprobs)},
+                ),
             ]
         self._output.append(done)
         frames.append(
@@ -254,6 +277,9 @@ class ResponsesStreamEncoder:
             frames += self._open_message()
         assert self._open is not None
         self._open_text.append(text)
+        logprobs = content_logprobs(self._pending)
+        self._pending.clear()
+        self._open_logprobs += logprobs
         frames.append(
             self._frame(
                 "response.output_text.delta",
@@ -262,7 +288,7 @@ class ResponsesStreamEncoder:
                     "output_index": len(self._output),
                     "content_index": 0,
                     "delta": text,
-                    "logprobs": [],
+                    "logprobs": logprobs,
                 },
             )
         )
@@ -271,6 +297,7 @@ class ResponsesStreamEncoder:
     def _open_message(self) -> list[bytes]:
         self._saw_message = True
         item = message_item(new_id("msg_"), None, "in_progress")
+        self._open_logprobs = []
         return self._open_item(item, output_text_part(""))
 
     def _call_frames(self, call: ToolCall) -> list[bytes]:

@@ -281,6 +281,60 @@ def test_greedy_continuation_matches_transformers(
         assert gap < 2 * LOGIT_ATOL
 
 
+def test_served_logprobs_match_transformers_log_softmax(
+    gguf_path: str, reference: Any, tokenizer: Tokenizer
+) -> None:
+    # The logprobs a request gets are the model's log-softmax (no penalties, no grammar
+    # here): a real backend's stream against transformers' distribution.
+    from lmserve_llama.plugin import create_backend
+
+    from lmserve_core.backend import ServerSettings
+    from lmserve_core.events import TokenLogprob
+    from lmserve_core.request import NormalizedRequest, Sampling
+
+    settings = ServerSettings(ctx=512, threads=2, batch=1, kv_type="f32")
+    backend = create_backend(gguf_path, settings)
+    events: list[Any] = []
+
+    class Sink:
+        cancelled = False
+
+        def emit(self, event: Any) -> None:
+            events.append(event)
+
+    try:
+        request = NormalizedRequest(
+            id="lp", dialect="completions", prompt=PROMPTS[1], max_tokens=12,
+            sampling=Sampling(temperature=0.0), logprobs=5,
+        )
+        backend.validate(request)
+        backend.generate(request, Sink())
+    finally:
+        backend.close()
+    entries = [e for e in events if isinstance(e, TokenLogprob)]
+    ids = prompt_ids(tokenizer, PROMPTS[1])
+    by_bytes = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+
+    def token_id(t: Any) -> int:
+        return by_bytes[bytes(t.bytes)]
+
+    chosen = [token_id(e.chosen) for e in entries]
+    assert len(entries) >= 8
+    ref = reference_logits(reference, ids + chosen[:-1]).astype(np.float64)[len(ids) - 1 :]
+    log_p = ref - np.log(np.exp(ref - ref.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True))
+    log_p -= ref.max(axis=1, keepdims=True)
+    worst = 0.0
+    for k, entry in enumerate(entries):
+        want_top = np.argsort(-log_p[k], kind="stable")[:5]
+        got_top = [token_id(t) for t in entry.top]
+        assert got_top[0] == want_top[0] == chosen[k]
+        worst = max(worst, abs(entry.chosen.logprob - log_p[k][chosen[k]]))
+        for t in entry.top:
+            worst = max(worst, abs(t.logprob - log_p[k][token_id(t)]))
+    print(f"{len(entries)} tokens: max |logprob - transformers| {worst:.3g}")
+    assert worst < 4 * LOGIT_ATOL
+
+
 # ---------------------------------------------------------------------------- (f) int16 decode
 
 # The served default gives decode's products (fewer than 32 tokens) int16 activations, one
