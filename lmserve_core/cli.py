@@ -25,7 +25,6 @@ _NOT_YET = {
     "kv_disk_slots": "--kv-disk-slots (the disk KV tier)",
     "cartridge": "--cartridge (KV-prefix cartridges)",
     "fleet": "--fleet (cartridge fleets)",
-    "spec": "--spec (speculative decoding)",
     "experts": "--experts (MoE expert borrowing)",
 }
 
@@ -128,7 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--kv-cache-dir", help="spill evicted KV slots to this directory")
     s.add_argument("--kv-disk-slots", type=int, help="at most N spilled slot files")
-    s.add_argument("--spec", action="store_true", help="speculative decoding")
+    s.add_argument(
+        "--spec",
+        action="store_true",
+        help="speculative decoding with drafts from the conversation itself (prompt lookup)",
+    )
+    s.add_argument(
+        "--spec-draft",
+        metavar="MODEL.gguf",
+        help="speculative decoding with drafts from a smaller model of the same vocabulary",
+    )
     s.add_argument("--cartridge", help="preload a KV-prefix cartridge")
     s.add_argument("--fleet", help="serve a cartridge fleet from DIR")
     s.add_argument("--experts", choices=["borrow"], help="MoE expert placement")
@@ -152,6 +160,8 @@ def _check_ranges(args: argparse.Namespace) -> None:
         raise UsageError("--threads must be 0 (all cores) or positive")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be 1..65535 (got {args.port})")
+    if args.spec_draft and not Path(args.spec_draft).is_file():
+        raise UsageError(f"draft model file not found: {args.spec_draft}")
     for name, what in _NOT_YET.items():
         if getattr(args, name):
             raise UsageError(f"{what} is not available in this version of lmserve")
@@ -227,7 +237,12 @@ def serve(args: argparse.Namespace) -> int:
         kv_type=args.kv_type,
         batch=args.batch,
         seed=args.seed,
-        extra={"model_id": args.model_id, "kv_slots_force": args.kv_slots_force},
+        extra={
+            "model_id": args.model_id,
+            "kv_slots_force": args.kv_slots_force,
+            "spec": args.spec,
+            "spec_draft": args.spec_draft,
+        },
     )
     try:
         backend = spec.factory(model, settings)
@@ -235,6 +250,8 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot load {model}: {exc}") from exc
     if args.batch > 1 and not callable(getattr(backend, "step", None)):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
+    if (args.spec or args.spec_draft) and getattr(backend, "drafts", None) is None:
+        log.warning("spec_not_supported", backend=spec.name, detail="decoding plainly")
     gc.collect()
     memory.trim()  # what loading the vocabulary and the weight table left behind
     if args.model_id:
@@ -286,6 +303,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx=backend.context_length,
         decode_precision=args.decode_precision,
         batch=engine.batch_size,
+        spec=getattr(getattr(backend, "drafts", None), "name", None),
         auth=bool(args.api_key),
     )
     try:

@@ -49,6 +49,7 @@ from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
 from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
+from .speculative import Drafter, DraftModel, DraftSource, Pace, PromptLookup
 from .stops import StopScanner
 from .tokenizer import StreamDecoder, Tokenizer
 from .tools import JSON_CALL, ToolCallParser, ToolConvention, forced_call_grammar
@@ -91,7 +92,9 @@ class Generation:
     """One request being generated: its prompt, slot, sampler, filters and progress.
 
     ``logits`` are those of the last row written, while a token is to be sampled from them;
-    None while the prompt is still being read. ``finish`` is set when it has ended.
+    ``todo`` holds tokens sampled whose rows are still to be written (a correction after a
+    rejected draft, or the tokens that close a think block). ``finish`` is set when it has
+    ended.
     """
 
     request: NormalizedRequest
@@ -106,6 +109,10 @@ class Generation:
     budget_close: tuple[int, list[int]] | None = None
     generated: list[int] = field(default_factory=list)
     logits: np.ndarray | None = None
+    prefilled: bool = False  # its whole prompt has been read
+    todo: list[int] = field(default_factory=list)  # sampled, their rows not yet written
+    drafter: Drafter | None = None
+    pace: Pace | None = None
     finish: Finish | None = None
 
     @property
@@ -190,6 +197,39 @@ class GGUFChatBackend:
         self._grammar_tokenizer: Any = None
         self._grammar_lock = threading.Lock()
         self._prefill_slice = 2 * PREFILL_MIN_SLICE  # prompt tokens read per shared step
+        self.drafts = self._draft_source(settings)
+
+    def _draft_source(self, settings: ServerSettings) -> DraftSource | None:
+        """Speculative decoding's drafts: a draft model (``spec_draft``, a GGUF path), the
+        conversation itself (``spec``), or none."""
+        path = settings.extra.get("spec_draft")
+        if not path:
+            return PromptLookup() if settings.extra.get("spec") else None
+        from . import plugins
+
+        draft_gguf = GGUFFile.open(path)
+        spec = plugins.backend_for_architecture(draft_gguf.architecture)
+        draft_gguf.close()
+        if spec is None:
+            raise ValueError(f"no installed family serves the draft's {draft_gguf.architecture!r}")
+        draft_settings = ServerSettings(
+            ctx=self.context_length, threads=settings.threads, kv_slots=1,
+            kv_type=settings.kv_type, batch=1,
+        )
+        draft = spec.factory(str(path), draft_settings)
+        model = getattr(draft, "model", None)
+        tokenizer = getattr(draft, "tokenizer", None)
+        n = self.tokenizer.vocab_size
+        if (
+            model is None
+            or tokenizer is None
+            or tokenizer.vocab_size != n
+            or any(tokenizer.token_bytes(i) != self.tokenizer.token_bytes(i) for i in range(n))
+        ):
+            draft.close()
+            raise ValueError(f"the draft model {path} does not share this model's vocabulary")
+        log.info("draft_model", path=str(path), backend=spec.name, model=self.model_id)
+        return DraftModel(model, self.context_length, owner=draft)
 
     # ------------------------------------------------------------------ Backend protocol
 
@@ -240,6 +280,7 @@ class GGUFChatBackend:
             if slot.allocated:
                 _close(slot.cache)
         self.slots.clear()
+        _close(self.drafts)
         _close(self.model)
         _close(self.gguf)
 
@@ -447,6 +488,8 @@ class GGUFChatBackend:
             n_words = (self._ll_tokenizer().vocab_size + 31) // 32
             gen.bits = np.empty(n_words, dtype=np.int32)
         gen.budget_close = self._budget_close(request, gen.out)
+        if self.drafts is not None:
+            gen.drafter, gen.pace = self.drafts.drafter(), Pace()
         return gen
 
     def step(self, gens: Sequence[Generation]) -> None:
@@ -460,13 +503,20 @@ class GGUFChatBackend:
         for gen in gens:
             if gen.finish is not None:
                 continue
-            if gen.logits is None:
+            if not gen.prefilled:
                 waiting.append(gen)
                 continue
-            tokens = self._guard(gen, self._advance, gen)
+            tokens: list[int] | None
+            if gen.todo:
+                tokens, gen.todo = gen.todo, []
+            else:
+                tokens = self._guard(gen, self._advance, gen)
             if tokens:
                 rows.append((gen, tokens))
-        if rows:
+        if len(rows) == 1 and rows[0][0].pace is not None and len(rows[0][1]) == 1:
+            # decoding alone: try drafts
+            self._guard(rows[0][0], self._speculate, *rows[0])
+        elif rows:
             self._write_rows(rows)
         if waiting:
             self._guard(waiting[0], self._prefill_some, waiting[0], bool(rows))
@@ -508,6 +558,7 @@ class GGUFChatBackend:
         slot.tokens.extend(chunk)  # only rows the model has written join the shadow
         if len(slot.tokens) == len(prompt):
             gen.logits = logits
+            gen.prefilled = True
 
     def _write_rows(self, rows: list[tuple[Generation, list[int]]]) -> None:
         """Write each generation's new tokens and keep the logits of its last one: in one
@@ -542,9 +593,45 @@ class GGUFChatBackend:
         gen.logits = self.model.forward(slot.cache, tokens, len(slot.tokens))
         slot.tokens.extend(tokens)
 
-    def _advance(self, gen: Generation) -> list[int] | None:
-        """Sample ``gen``'s next token from its logits and pass its text on; the tokens to
-        write next, or None when the generation ended."""
+    def _speculate(self, gen: Generation, tokens: list[int]) -> None:
+        """Write ``tokens`` (one sampled token) with drafts after it in one pass, and take
+        as many of the drafts as sampling from the rows written accepts."""
+        assert gen.pace is not None and gen.drafter is not None
+        slot = gen.kv
+        most = gen.prepared.max_tokens - len(gen.generated)
+        k = gen.pace.budget(min(most, self.context_length - len(slot.tokens) - 1))
+        drafts = []
+        if k > 0:
+            drafts = gen.drafter.propose(gen.prepared.tokens + gen.generated, k)[:k]
+        if not drafts:
+            self._write_one(gen, tokens)
+            return
+        rows = self.model.forward(slot.cache, tokens + drafts, len(slot.tokens), all_logits=True)
+        written = list(tokens)  # the rows that hold this sequence's tokens
+        accepted = 0
+        for i, draft in enumerate(drafts):
+            step = self._advance(gen, rows[i], draft)
+            if step is None:
+                break  # ended (the rows past the shadow are not part of it)
+            if step[0] != draft:
+                gen.todo = step  # a correction: its row is written next step
+                break
+            accepted += 1
+            written.append(draft)
+            if len(step) > 1:
+                gen.todo = step[1:]  # the tokens closing a think block follow it
+                break
+        else:
+            gen.logits = rows[len(drafts)]
+        gen.pace.update(len(drafts), accepted)
+        slot.tokens.extend(written)
+
+    def _advance(
+        self, gen: Generation, logits: np.ndarray | None = None, draft: int | None = None
+    ) -> list[int] | None:
+        """Sample ``gen``'s next token from ``logits`` (its own by default), passing ``draft``
+        on to the sampler, and pass its text on; the tokens to write next, or None when the
+        generation ended."""
         if len(gen.generated) >= gen.prepared.max_tokens:
             self._end(gen, "length")
             return None
@@ -562,9 +649,10 @@ class GGUFChatBackend:
             if not mask.any():
                 self._end(gen, "stop")  # the grammar allows nothing more (it is complete)
                 return None
-        assert gen.logits is not None and out is not None
-        tok = gen.sampler.sample(gen.logits, generated, mask, logprobs=request.logprobs)
-        gen.logits = None
+        if logits is None:
+            logits, gen.logits = gen.logits, None
+        assert logits is not None and out is not None
+        tok = gen.sampler.sample(logits, generated, mask, logprobs=request.logprobs, draft=draft)
         generated.append(tok)
         if tok in self.stop_ids:
             self._end(gen, "stop")
@@ -621,6 +709,16 @@ class GGUFChatBackend:
             return
         if gen.slot is not None:
             gen.slot.busy = False
+        if gen.drafter is not None:
+            gen.drafter.close()
+        if gen.pace is not None and gen.pace.proposed:
+            log.info(
+                "speculation",
+                id=gen.request.id,
+                drafts=self.drafts.name if self.drafts is not None else None,
+                proposed=gen.pace.proposed,
+                accepted=gen.pace.accepted,
+            )
         usage, out = gen.usage, gen.out
         gen.logits = None
         if reason == "error" or out is None:

@@ -105,6 +105,7 @@ class Sampler:
         mask: np.ndarray | None = None,
         *,
         logprobs: int | None = None,
+        draft: int | None = None,
     ) -> int:
         """The next token id.
 
@@ -112,12 +113,17 @@ class Sampler:
         vocabulary are ignored). ``recent``: the tokens generated so far, oldest first (the
         same growing list across calls). ``mask``: booleans, True where a token is allowed.
         ``logprobs``: also work out :attr:`logprobs` with that many alternatives.
+        ``draft``: a token proposed for this position (speculative decoding). It is
+        returned when accepted: greedy, when it is the best token; sampling, with the
+        probability the request's distribution gives it, else the token is drawn from that
+        distribution without it. Either way the token returned follows the same
+        distribution as without a draft.
         """
         self.logprobs = None
         vals = logits[: self.vocab_size]
         window = recent[-REPEAT_LAST_N:] if self._penalize_recent else ()
         if not window and not self._penalize_counts:
-            return self._sample_and_score(vals, mask, logprobs)
+            return self._sample_and_score(vals, mask, logprobs, draft)
         if not vals.flags.writeable:
             vals = vals.copy()
         # Patch the few penalised rows in place and restore them afterwards: copying a
@@ -138,18 +144,20 @@ class Sampler:
                     old = vals[ids]
                     patches.append((ids, old))
                     vals[ids] = old - (self._counts[ids] * r.frequency_penalty + r.presence_penalty)
-            return self._sample_and_score(vals, mask, logprobs)
+            return self._sample_and_score(vals, mask, logprobs, draft)
         finally:
             for ids, old in reversed(patches):
                 vals[ids] = old
 
-    def _sample_and_score(self, vals: np.ndarray, mask: np.ndarray | None, top: int | None) -> int:
-        tok = self._sample(vals, mask)
+    def _sample_and_score(
+        self, vals: np.ndarray, mask: np.ndarray | None, top: int | None, draft: int | None
+    ) -> int:
+        tok = self._sample(vals, mask, draft)
         if top is not None:
             self.logprobs = token_logprobs(vals, mask, tok, top)
         return tok
 
-    def _sample(self, vals: np.ndarray, mask: np.ndarray | None) -> int:
+    def _sample(self, vals: np.ndarray, mask: np.ndarray | None, draft: int | None = None) -> int:
         r = self.resolved
         ids: np.ndarray | None = None  # None: the candidates are the whole vocabulary
         if mask is not None:
@@ -187,14 +195,31 @@ class Sampler:
             cut = int(np.searchsorted(cum, r.top_p * total, side="left")) + 1
             ids, vals = ids[:cut], vals[:cut]
 
+        weights = np.exp((vals.astype(np.float64) - best) / r.temperature)
+        if draft is not None:
+            at = _position(ids, draft, vals.size)
+            if at >= 0:
+                # accept with the draft's probability; else draw from the others
+                if self._rng.random() * weights.sum() < weights[at]:
+                    return draft
+                weights[at] = 0.0
+                if not weights.any():
+                    return draft
         if vals.size == 1:
             return int(ids[0]) if ids is not None else 0
-        weights = np.exp((vals.astype(np.float64) - best) / r.temperature)
         cum = np.cumsum(weights)
         pick = min(
             int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right")), vals.size - 1
         )
         return int(ids[pick]) if ids is not None else pick
+
+
+def _position(ids: np.ndarray | None, token: int, n: int) -> int:
+    """Where ``token`` sits among the candidates (``ids``, None: all ``n``); -1: absent."""
+    if ids is None:
+        return token if 0 <= token < n else -1
+    hits = np.flatnonzero(ids == token)
+    return int(hits[0]) if hits.size else -1
 
 
 def token_logprobs(

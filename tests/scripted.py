@@ -47,13 +47,18 @@ class ScriptedModel:
     def forward(
         self, cache: FakeCache, tokens: Sequence[int], pos: int, *, all_logits: bool = False
     ) -> np.ndarray:
-        assert not all_logits
         assert len(tokens) > 0 and pos + len(tokens) <= cache.n_ctx
         # every row below pos must hold a prefix computed earlier (reuse/copy correctness)
         assert (cache.rows[:pos] >= 0).all(), "forward over a hole in the cache"
         cache.rows[pos : pos + len(tokens)] = tokens
         self.forward_calls.append((pos, len(tokens)))
-        seq = cache.rows[: pos + len(tokens)]
+        end = pos + len(tokens)
+        if all_logits:
+            return np.stack([self.logits(cache.rows[: end - i]) for i in range(len(tokens))][::-1])
+        return self.logits(cache.rows[:end])
+
+    def logits(self, seq: np.ndarray) -> np.ndarray:
+        """The logits after the tokens ``seq``."""
         starts = np.flatnonzero(seq == IM_START)
         i = len(seq) - (int(starts[-1]) + 4) if starts.size else len(seq)
         if 0 <= i < len(self.script):

@@ -252,7 +252,7 @@ def test_help_documents_every_flag() -> None:
     [
         (["--backend", "nope"], "unknown backend 'nope'"),
         (["--ctx", "0", "--backend", "scripted"], "--ctx must be at least"),
-        (["--spec", "--backend", "scripted"], "not available"),
+        (["--spec-draft", "/nonexistent/d.gguf", "--backend", "scripted"], "draft model file not"),
         (["--kv-cache-dir", "/tmp/x", "--backend", "scripted"], "not available"),
         (["/nonexistent/model.gguf"], "model file not found"),
         (["--decode-precision", "int8", "--backend", "scripted"], "invalid choice: 'int8'"),

@@ -1,0 +1,192 @@
+"""Speculative decoding: where draft tokens come from, and how many to try.
+
+A generation that decodes alone may guess its next few tokens cheaply and have the model
+check them in one forward pass: the model writes the rows of the token it sampled and of
+the drafts, and the chat path samples each position from those rows exactly as plain
+decoding would, keeping the drafts that match (``Sampler.sample`` with ``draft``: greedy
+keeps a draft when it is the best token, sampling with the request's own probability of
+it, so the output distribution is unchanged). Every token still passes the stop strings,
+the grammar, the reasoning router and the tool parser one at a time.
+
+Draft sources stand behind :class:`DraftSource`: :class:`PromptLookup` finds the longest
+recent n-gram of the conversation that repeats and proposes what followed it (no second
+model: strong when the reply quotes the prompt, as code edits, extraction and tool calls
+do); :class:`DraftModel` runs a smaller GGUF of the same vocabulary greedily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .model import ForwardModel, KVCache
+
+# Most drafts verified in one pass: with the sampled token, 7 rows, which keeps the
+# verification on decode's kernels (fewer than 8 query rows: the same attention path as
+# one token; fewer than 32: the same int16 products), so its logits are bit for bit those
+# of plain decoding and greedy output is byte-identical.
+MAX_DRAFT = 6
+
+
+class Drafter(Protocol):
+    """One generation's drafting state."""
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``history`` (the prompt and every token
+        generated so far, the last one included); [] when there is no good guess."""
+
+    def close(self) -> None:
+        """Release what the drafter holds."""
+
+
+class DraftSource(Protocol):
+    """Where a backend's drafts come from; one :class:`Drafter` per generation."""
+
+    name: str
+
+    def drafter(self) -> Drafter:
+        """A drafter for a new generation."""
+
+
+class Pace:
+    """How many drafts one generation tries next, from how the last ones fared: more after
+    a fully accepted run, fewer after a rejection, and a pause when drafts keep failing
+    (a verify pass that accepts nothing costs more than a plain step)."""
+
+    PAUSE_AFTER = 4  # verify passes in a row that accepted nothing
+    PAUSE_TOKENS = 16  # plain tokens before drafting again
+
+    def __init__(self) -> None:
+        self.k = 3
+        self.proposed = 0
+        self.accepted = 0
+        self._misses = 0
+        self._paused = 0
+
+    def budget(self, most: int) -> int:
+        """Drafts to ask for now (0: decode plainly this step)."""
+        if self._paused > 0:
+            self._paused -= 1
+            return 0
+        return max(0, min(self.k, most, MAX_DRAFT))
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if accepted == proposed:
+            self.k = min(MAX_DRAFT, self.k + 1)
+        else:
+            self.k = max(1, accepted + 1)
+        self._misses = self._misses + 1 if accepted == 0 else 0
+        if self._misses >= self.PAUSE_AFTER:
+            self._misses = 0
+            self._paused = self.PAUSE_TOKENS
+
+
+class PromptLookup:
+    """Drafts from the conversation itself: the tokens that followed the most recent
+    earlier occurrence of its last ``n`` tokens (``n`` from ``max_ngram`` down to
+    ``min_ngram``)."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def drafter(self) -> Drafter:
+        return _LookupDrafter(self.max_ngram, self.min_ngram)
+
+
+class _LookupDrafter:
+    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._ids = np.empty(0, np.int64)
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        n_hist = len(history)
+        if k <= 0 or n_hist <= self.min_ngram:
+            return []
+        if self._ids.size > n_hist or (self._ids.size and self._ids[-1] != history[self._ids.size - 1]):
+            self._ids = np.empty(0, np.int64)  # a different history: start over
+        if self._ids.size < n_hist:
+            self._ids = np.concatenate([self._ids, np.asarray(history[self._ids.size :], np.int64)])
+        ids = self._ids
+        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
+            tail = ids[n_hist - n :]
+            # candidate starts: positions whose n tokens equal the tail, ending before it
+            starts = np.flatnonzero(ids[: n_hist - n] == tail[0])
+            for i in starts[::-1]:
+                if np.array_equal(ids[i : i + n], tail):
+                    follow = ids[i + n : i + n + k]
+                    if follow.size:
+                        return [int(t) for t in follow]
+        return []
+
+    def close(self) -> None:
+        self._ids = np.empty(0, np.int64)
+
+
+class DraftModel:
+    """Drafts from a smaller model of the same vocabulary, greedy, on its own cache."""
+
+    name = "draft-model"
+
+    def __init__(self, model: ForwardModel, n_ctx: int, owner: Any = None) -> None:
+        self.model = model
+        self.n_ctx = n_ctx
+        self.owner = owner  # what keeps the model alive (its backend), closed with it
+
+    def drafter(self) -> Drafter:
+        return _ModelDrafter(self.model, self.n_ctx)
+
+    def close(self) -> None:
+        close = getattr(self.owner, "close", None)
+        if callable(close):
+            close()
+
+
+class _ModelDrafter:
+    def __init__(self, model: ForwardModel, n_ctx: int) -> None:
+        self.model = model
+        self.n_ctx = n_ctx
+        self._cache: KVCache | None = None
+        self._rows: list[int] = []  # the tokens whose rows the draft cache holds
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        n = len(history)
+        if k <= 0 or n + k > self.n_ctx:
+            return []
+        if self._cache is None:
+            self._cache = self.model.new_cache(self.n_ctx)
+        keep = 0
+        rows = self._rows
+        limit = min(len(rows), n - 1)
+        while keep < limit and rows[keep] == history[keep]:
+            keep += 1
+        keep = self._cache.reusable_prefix(len(rows), keep) if keep else 0
+        self._cache.truncate(keep)
+        del rows[keep:]
+        logits = self.model.forward(self._cache, list(history[keep:]), keep)
+        rows.extend(history[keep:])
+        out: list[int] = []
+        for _ in range(k):
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if len(out) == k:
+                break
+            logits = self.model.forward(self._cache, [tok], len(rows))
+            rows.append(tok)
+        return out
+
+    def close(self) -> None:
+        close = getattr(self._cache, "close", None)
+        if callable(close):
+            close()
+        self._cache = None
+        self._rows = []

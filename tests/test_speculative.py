@@ -1,0 +1,283 @@
+"""Speculative decoding: drafts, their verification in one pass, and what it must not change
+(greedy text byte for byte, the sampled distribution, stop strings, grammars, the slot's
+token shadow)."""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from scripted import (  # noqa: F401  (the fixtures)
+    IM_END,
+    ListSink,
+    ScriptedModel,
+    _gguf,
+    _one_tokenizer,
+    _tokenizer,
+    chat,
+    check_shadow,
+    ids,
+    make_backend,
+    run,
+)
+
+from lmserve_core.backend import ServerSettings
+from lmserve_core.gguf_chat import GGUFChatBackend
+from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
+from lmserve_core.sampling import ResolvedSampling, Sampler
+from lmserve_core.speculative import MAX_DRAFT, Pace, PromptLookup
+
+# ---------------------------------------------------------------------------- drafts
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_repeat() -> None:
+    drafter = PromptLookup(max_ngram=3, min_ngram=2).drafter()
+    history = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 4, 5, 6]
+    # "5 6" last appeared at 7..8, followed by 7 3 4 5 6
+    assert drafter.propose(history, 3) == [7, 3, 4]
+    assert drafter.propose([*history, 7], 2) == [3, 4]  # "5 6 7": the latest one
+    assert drafter.propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert drafter.propose([9, 9], 3) == []  # too short to match min_ngram
+    assert drafter.propose(history, 0) == []
+
+
+def test_pace_grows_on_success_shrinks_on_failure_and_pauses() -> None:
+    pace = Pace()
+    k = pace.budget(100)
+    pace.update(k, k)
+    assert pace.budget(100) == k + 1
+    pace.update(k + 1, 1)
+    assert pace.budget(100) == 2
+    assert pace.budget(1) == 1  # never past what the budget allows
+    for _ in range(Pace.PAUSE_AFTER):
+        pace.update(2, 0)
+    assert [pace.budget(100) for _ in range(Pace.PAUSE_TOKENS)] == [0] * Pace.PAUSE_TOKENS
+    assert pace.budget(100) == 1
+    for _ in range(20):
+        pace.update(pace.budget(100) or 1, pace.budget(100) or 1)
+    assert pace.budget(100) == MAX_DRAFT
+
+
+def test_a_draft_leaves_the_sampled_distribution_unchanged() -> None:
+    probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    n = 20000
+    for draft in (0, 3, 4):
+        for resolved in (
+            ResolvedSampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repeat_penalty=1.0,
+                             seed=11),
+            ResolvedSampling(temperature=0.7, top_p=0.9, top_k=4, min_p=0.0, repeat_penalty=1.0,
+                             seed=12),
+        ):
+            sampler = Sampler(resolved, probs.size)
+            counts = collections.Counter(sampler.sample(logits, draft=draft) for _ in range(n))
+            want = _chain_probs(probs, resolved)
+            chi2 = sum(
+                (counts.get(i, 0) - n * p) ** 2 / (n * p) for i, p in enumerate(want) if p > 0
+            )
+            assert all(counts.get(i, 0) == 0 for i, p in enumerate(want) if p == 0)
+            # 4 degrees of freedom at most: p = 0.001 is at 18.5
+            assert chi2 < 18.5, (draft, resolved, counts)
+
+
+def _chain_probs(probs: np.ndarray, r: ResolvedSampling) -> np.ndarray:
+    """The distribution sampling draws from (probs sorted descending, as here)."""
+    keep = np.arange(probs.size) < (r.top_k if r.top_k else probs.size)
+    p = np.where(keep, probs, 0.0)
+    if r.top_p < 1.0:
+        cum = np.cumsum(p) / p.sum()
+        cut = int(np.searchsorted(cum, r.top_p, side="left")) + 1
+        p[cut:] = 0.0
+    w = np.where(p > 0, p ** (1.0 / r.temperature), 0.0)
+    return w / w.sum()
+
+
+def test_greedy_draft_is_kept_only_when_it_is_the_best() -> None:
+    logits = np.array([0.1, 2.0, 1.0], np.float32)
+    sampler = Sampler(
+        ResolvedSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repeat_penalty=1.0), 3
+    )
+    assert sampler.sample(logits, draft=1) == 1
+    assert sampler.sample(logits, draft=2) == 1
+
+
+# ---------------------------------------------------------------------------- the chat path
+
+
+class FixedDrafts:
+    """A draft source proposing the same tokens every time."""
+
+    name = "fixed"
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = list(tokens)
+
+    def drafter(self) -> Any:
+        tokens = self.tokens
+
+        class _Drafter:
+            def propose(self, history: Sequence[int], k: int) -> list[int]:
+                return tokens[:k]
+
+            def close(self) -> None:
+                pass
+
+        return _Drafter()
+
+
+def spec_backend(gguf: GGUFFile, script: Sequence[int] = (), **kw: Any) -> GGUFChatBackend:
+    backend = make_backend(gguf, script, **kw)
+    backend.drafts = PromptLookup()
+    return backend
+
+
+def test_greedy_with_drafts_is_byte_identical_and_takes_fewer_passes(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    quoted = "def add(a, b):\n    return a + b\n"
+    script = ids(b0, "Here it is:\n" + quoted) + [IM_END]
+    request = chat(f"Repeat this code exactly:\n{quoted}", max_tokens=80)
+    plain, alone = run(make_backend(gguf, script), request)
+    backend = spec_backend(gguf, script)
+    finish, sink = run(backend, chat(f"Repeat this code exactly:\n{quoted}", max_tokens=80))
+    assert sink.text == alone.text and finish == plain
+    calls = backend.model.forward_calls  # type: ignore[attr-defined]
+    verified = [n for _, n in calls[1:] if n > 1]
+    assert verified, "the quoted code was drafted"
+    assert len(calls) < plain.usage.completion_tokens  # fewer passes than tokens
+    check_shadow(backend)
+
+
+def test_noise_greedy_with_wrong_drafts_is_unchanged(gguf: GGUFFile) -> None:
+    # the model's replies are position-seeded noise: every draft is wrong
+    request = chat("word " * 30, max_tokens=40)
+    plain, alone = run(make_backend(gguf), request)
+    backend = make_backend(gguf)
+    backend.drafts = FixedDrafts([11, 12, 13])  # type: ignore[assignment]
+    finish, sink = run(backend, chat("word " * 30, max_tokens=40))
+    assert sink.text == alone.text and finish == plain
+    check_shadow(backend)
+
+
+def test_stop_strings_and_grammar_apply_to_accepted_tokens(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    b0 = make_backend(gguf)
+    reply = "alpha beta gamma delta epsilon"
+    script = ids(b0, reply) + [IM_END]
+    drafts = ids(b0, reply)[1:]
+    for kwargs in (
+        {"stop": [" gamma"]},
+        {"constraint": Constraint(kind="regex", source="alpha beta( gamma)?")},
+    ):
+        plain, alone = run(make_backend(gguf, script), chat("go", max_tokens=20, **kwargs))
+        backend = make_backend(gguf, script)
+        backend.drafts = FixedDrafts(drafts)  # type: ignore[assignment]
+        finish, sink = run(backend, chat("go", max_tokens=20, **kwargs))
+        assert sink.text == alone.text and finish == plain
+        assert sink.text in ("alpha beta", "alpha beta gamma")
+        check_shadow(backend)
+
+
+def test_max_tokens_bounds_the_drafts(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "one two three four five six seven eight") + [IM_END]
+    backend = make_backend(gguf, script)
+    backend.drafts = FixedDrafts(script[1:])  # type: ignore[assignment]
+    finish, sink = run(backend, chat("count", max_tokens=5))
+    assert finish.reason == "length" and finish.usage.completion_tokens == 5
+    plain, alone = run(make_backend(gguf, script), chat("count", max_tokens=5))
+    assert sink.text == alone.text
+    check_shadow(backend)
+
+
+class MarkovModel(ScriptedModel):
+    """A small-vocabulary model: after the prompt, the next token is one of four, with
+    probabilities that depend on the previous token."""
+
+    def __init__(self, n_vocab: int, words: Sequence[int], prompt_len: int) -> None:
+        super().__init__(n_vocab)
+        self.words = list(words)
+        self.prompt_len = prompt_len
+        rng = np.random.default_rng(5)
+        self.table = {w: rng.dirichlet(np.ones(len(words)) * 0.8) for w in [-1, *words]}
+
+    def logits(self, seq: np.ndarray) -> np.ndarray:
+        prev = int(seq[-1]) if len(seq) > self.prompt_len else -1
+        probs = self.table.get(prev, self.table[-1])
+        out = np.full(self.n_vocab, -1e9, np.float32)
+        out[self.words] = np.log(probs)
+        return out
+
+
+def test_sampled_sequences_keep_their_distribution_with_drafts(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    words = [ids(b0, w)[0] for w in (" red", " green", " blue", " gold")]
+    request0 = chat("colours")
+    b0.validate(request0)
+    prompt_len = request0.prompt_tokens
+    assert prompt_len is not None
+
+    def sequences(drafts: Any, seed0: int, n: int) -> collections.Counter:
+        model = MarkovModel(49152, words, prompt_len)
+        backend = make_backend(gguf, model=model)
+        backend.drafts = drafts
+        out: collections.Counter = collections.Counter()
+        for i in range(n):
+            request = NormalizedRequest(
+                id=f"s{i}", dialect="chat", messages=[Message(role="user", content="colours")],
+                sampling=Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed0 + i),
+                max_tokens=3,
+            )
+            sink = ListSink()
+            backend.validate(request)
+            backend.generate(request, sink)
+            out[sink.text] += 1
+        return out
+
+    n = 1500
+    plain = sequences(None, 0, n)
+    drafted = sequences(FixedDrafts([words[0], words[1], words[0]]), 10_000, n)
+    # the exact distribution of 3-token replies
+    model = MarkovModel(49152, words, prompt_len)
+    exact: dict[str, float] = {}
+    for a in words:
+        for b in words:
+            for c in words:
+                p = (model.table[-1][words.index(a)] * model.table[a][words.index(b)]
+                     * model.table[b][words.index(c)])
+                exact[b0.detokenize([a, b, c])] = p
+    for counts in (plain, drafted):
+        assert sum(counts.values()) == n
+        expected = {k: n * p for k, p in exact.items()}
+        # pool rare outcomes so every cell expects at least 5
+        common = [k for k, e in expected.items() if e >= 5]
+        rest_e = sum(e for k, e in expected.items() if k not in common)
+        rest_o = sum(v for k, v in counts.items() if k not in common)
+        chi2 = sum((counts.get(k, 0) - expected[k]) ** 2 / expected[k] for k in common)
+        dof = len(common)
+        if rest_e > 0:
+            chi2 += (rest_o - rest_e) ** 2 / rest_e
+        # p = 0.001 of a chi-square with dof degrees of freedom, by Wilson-Hilferty
+        z = 3.09
+        bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+        assert chi2 < bound, (chi2, bound)
+
+
+def test_spec_flag_reaches_the_backend(gguf: GGUFFile) -> None:
+    model = ScriptedModel(49152)
+    backend = GGUFChatBackend(
+        name="fake", gguf=gguf, model=model,  # type: ignore[arg-type]
+        conventions=make_backend(gguf).conventions,
+        settings=ServerSettings(ctx=512, extra={"spec": True}),
+    )
+    assert isinstance(backend.drafts, PromptLookup)
+    with pytest.raises(ValueError, match="vocabulary|serves|No such file|not a"):
+        GGUFChatBackend(
+            name="fake", gguf=gguf, model=model,  # type: ignore[arg-type]
+            conventions=make_backend(gguf).conventions,
+            settings=ServerSettings(ctx=512, extra={"spec_draft": "/nonexistent.gguf"}),
+        )
