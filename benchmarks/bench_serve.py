@@ -186,6 +186,86 @@ async def run_long_prompt(url: str) -> dict[str, Any]:
     }
 
 
+CODE = """def parse_config(path):
+    settings = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def load_users(path):
+    users = []
+    with open(path) as handle:
+        for line in handle:
+            name, email, age = line.strip().split(",")
+            users.append({"name": name, "email": email, "age": int(age)})
+    return users
+"""
+
+SPEC_WORKLOADS = {
+    "code edit": "Here is a Python file:\n\n" + CODE + "\nRewrite the whole file with the "
+    "parameter `path` renamed to `filename` everywhere. Reply with the complete code only.",
+    "json extraction": "Order 4471 was placed by Maria Lopez (maria.lopez@example.com) on "
+    "2024-03-18 for 3 items: a blue kettle at 24.99, two ceramic mugs at 8.50 each, and a "
+    "bag of coffee beans at 12.00. Shipping to 12 Harbour Street, Bristol, BS1 4QA. "
+    "Extract the order as JSON with the fields order_id, customer_name, customer_email, "
+    "date, items (name, quantity, unit_price), and shipping_address. Reply with JSON only.",
+    "free chat": "Write a short story about a fox who learns to sail.",
+}
+
+
+async def run_spec_workload(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "temperature": 0}
+        started = time.perf_counter()
+        reply = await client.post(url + "/v1/chat/completions", json=body)
+        wall = time.perf_counter() - started
+        data = reply.json()
+        # a second, timed as a stream, for the decode rate
+        stream = await chat(client, url, prompt, max_tokens)
+    span = stream.tokens[-1] - stream.tokens[0] if len(stream.tokens) > 1 else float("nan")
+    return {
+        "text": data["choices"][0]["message"]["content"],
+        "tokens": data["usage"]["completion_tokens"],
+        "wall": wall,
+        "decode_tok_s": (stream.completion_tokens - 1) / span if span == span and span else 0.0,
+    }
+
+
+def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str | None) -> None:
+    """Single-stream greedy decode with and without speculative decoding."""
+    variants: dict[str, list[str]] = {"plain": [], "--spec": ["--spec"]}
+    if draft:
+        variants["--spec-draft"] = ["--spec-draft", draft]
+    results: dict[str, dict[str, Any]] = {}
+    for name, extra in variants.items():
+        port = free_port()
+        cmd = lmserve_cmd(path, port, threads, 1) + extra
+        with serving(cmd, port, logs / f"spec-{path.stem}-{name.strip('-')}.log") as url:
+            asyncio.run(run_chats(url, 1, 8))
+            results[name] = {w: asyncio.run(run_spec_workload(url, p, max_tokens))
+                             for w, p in SPEC_WORKLOADS.items()}
+    print(f"\n{path.name}: single-stream greedy decode, tok/s (ratio to plain)")
+    print("| workload | " + " | ".join(variants) + " | identical replies |")
+    print("|---" * (len(variants) + 2) + "|")
+    for workload in SPEC_WORKLOADS:
+        base = results["plain"][workload]
+        cells = []
+        for name in variants:
+            r = results[name][workload]
+            ratio = r["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else 0
+            cells.append(f"{r['decode_tok_s']:.1f} ({ratio:.2f}x)")
+        same = all(results[n][workload]["text"] == base["text"] for n in variants)
+        print(f"| {workload} ({base['tokens']} tokens) | " + " | ".join(cells)
+              + f" | {'yes' if same else 'NO'} |", flush=True)
+
+
 def lmserve_cmd(path: Path, port: int, threads: int, batch: int) -> list[str]:
     return [sys.executable, "-m", "lmserve_core", str(path), "--port", str(port),
             "--threads", str(threads), "--ctx", "4096", "--batch", str(batch),
@@ -216,7 +296,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--llama-server", help="path of a built llama.cpp llama-server")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--spec", action="store_true",
+                        help="measure speculative decoding (single stream) instead")
+    parser.add_argument("--spec-draft", help="also measure --spec-draft with this GGUF")
     args = parser.parse_args()
+    if args.spec or args.spec_draft:
+        print(f"CPU: {cpu_model()}, {args.threads} threads", flush=True)
+        logs = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+        for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+            bench_spec(model_path(name), args.threads, max(args.max_tokens, 256), logs,
+                       args.spec_draft)
+        return
     concurrency = [int(n) for n in args.concurrency.split(",")]
     batch = max(4, *concurrency)
     print(f"CPU: {cpu_model()}, {args.threads} threads, lmserve --batch {batch}", flush=True)
