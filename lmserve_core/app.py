@@ -100,6 +100,13 @@ def handle_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Re
     return _error_response(request, status, message)
 
 
+def handle_too_deep(request: Request[Any, Any, Any], exc: RecursionError) -> Response[Any]:
+    # msgspec refuses JSON nested deeper than it recurses: the body is at fault, not us
+    message = "the request body is nested too deeply"
+    log.info("request_rejected", path=request.url.path, status=400, error=message)
+    return _error_response(request, 400, message, code="invalid_request")
+
+
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     log.exception("unhandled_error", path=request.url.path)
     return _error_response(request, 500, f"internal error: {type(exc).__name__}")
@@ -182,6 +189,7 @@ def create_app(
             LmserveError: handle_lmserve_error,
             ValidationException: handle_validation_error,
             HTTPException: handle_http_error,
+            RecursionError: handle_too_deep,
             Exception: handle_unexpected,
         },
         lifespan=[lifespan],

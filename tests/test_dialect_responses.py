@@ -554,6 +554,14 @@ def test_rejected_fields(openai_client: openai.OpenAI, extra: dict[str, Any], pa
     assert isinstance(err.value.body, dict) and err.value.body.get("param") == param
 
 
+@pytest.mark.parametrize("empty", ["", []])
+def test_an_empty_input_is_a_400(openai_client: openai.OpenAI, empty: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.responses.create(model=MODEL, input=empty)
+    assert err.value.status_code == 400
+    assert isinstance(err.value.body, dict) and err.value.body.get("param") == "input"
+
+
 @pytest.mark.parametrize(
     ("item", "param"),
     [

@@ -188,6 +188,26 @@ def test_bad_input_gets_the_anthropic_envelope_on_messages(server) -> None:
     assert body["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],'),
+        ("/v1/completions", '{"model":"m","prompt":"hi",'),
+        ("/v1/responses", '{"model":"m","input":"hi",'),
+        ("/v1/messages", '{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}],'),
+    ],
+)
+def test_a_body_nested_thousands_deep_is_a_400(server, path: str, body: str) -> None:
+    deep = body + '"metadata":' + "[" * 10_000 + "]" * 10_000 + "}"
+    reply = httpx.post(server.base_url + path, content=deep,
+                       headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "nested too deeply" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
 def test_oversized_body_is_413_and_the_server_lives(start_server) -> None:
     srv = start_server("--max-body-mb", "1")
     big = chat("x" * (2 * 1024 * 1024))

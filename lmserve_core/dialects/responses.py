@@ -159,6 +159,8 @@ def _messages(body: ResponsesRequest) -> list[Message]:
         messages.append(Message("system", body.instructions))
     if body.input is None:
         raise InvalidRequest("'input' is required", param="input")
+    if not body.input:
+        raise InvalidRequest("'input' must not be empty", param="input")
     if isinstance(body.input, str):
         messages.append(Message("user", body.input))
         return messages
