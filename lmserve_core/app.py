@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 from litestar import Litestar, MediaType, Request, Response, get
+from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
@@ -163,13 +164,34 @@ def dialect_routes() -> list[ControllerRouterHandler]:
     ]
 
 
+# Browser origins served by default: pages of this machine, on any port.
+LOOPBACK_ORIGINS = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?$"
+
+
+def cors_config(origins: Sequence[str] | None) -> CORSConfig:
+    """CORS for browser clients: ``origins`` (exact origins, ``*`` for any), or loopback
+    origins when None. An allowed origin is reflected; any other gets no CORS headers.
+    Preflight requests are answered without the API key; the API's own requests are not."""
+    headers = ["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+               "anthropic-beta", "OpenAI-Organization", "OpenAI-Project"]
+    methods: list[Any] = ["GET", "POST", "OPTIONS"]
+    if origins is None:
+        return CORSConfig(allow_origins=[], allow_origin_regex=LOOPBACK_ORIGINS,
+                          allow_methods=methods, allow_headers=headers,
+                          expose_headers=["retry-after"])
+    return CORSConfig(allow_origins=list(origins), allow_methods=methods, allow_headers=headers,
+                      expose_headers=["retry-after"])
+
+
 def create_app(
     server: Server,
     *,
     max_body: int = DEFAULT_MAX_BODY,
     extra_routes: Sequence[ControllerRouterHandler] = (),
+    cors_origins: Sequence[str] | None = None,
 ) -> Litestar:
-    """Build the application serving ``server``'s engine."""
+    """Build the application serving ``server``'s engine (``cors_origins``: see
+    :func:`cors_config`)."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -185,6 +207,7 @@ def create_app(
         route_handlers=[health, list_models, *dialect_routes(), *extra_routes],
         dependencies={"server": Provide(lambda: server, use_cache=True, sync_to_thread=False)},
         guards=[make_auth_guard(server.api_key)],
+        cors_config=cors_config(cors_origins),
         exception_handlers={
             LmserveError: handle_lmserve_error,
             ValidationException: handle_validation_error,

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=32.0,
         help="largest request body in MiB; larger ones get 413 (default 32)",
     )
+    h.add_argument(
+        "--cors-origins",
+        metavar="ORIGINS",
+        help="browser origins allowed to call the API, comma-separated ('*': any; default: "
+        "pages served from this machine, http(s)://localhost, 127.0.0.1 or [::1] on any port)",
+    )
     s = p.add_argument_group("scheduling and cache")
     s.add_argument(
         "--batch",
@@ -258,7 +264,10 @@ def serve(args: argparse.Namespace) -> int:
         backend.model_id = args.model_id
     engine = Engine(backend, queue_size=args.queue)
     server = Server(engine=engine, settings=settings, api_key=args.api_key or None)
-    app = create_app(server, max_body=int(args.max_body_mb * 1024 * 1024))
+    origins = None
+    if args.cors_origins is not None:
+        origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+    app = create_app(server, max_body=int(args.max_body_mb * 1024 * 1024), cors_origins=origins)
     config = uvicorn.Config(
         app,
         host=args.host,

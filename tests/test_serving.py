@@ -303,3 +303,43 @@ def test_connections_beyond_conns_get_503(start_server) -> None:
             break
         time.sleep(0.1)
     assert reply.status_code == 200
+
+
+def _preflight(base: str, origin: str) -> httpx.Response:
+    return httpx.options(
+        base + "/v1/chat/completions",
+        headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"},
+        timeout=30,
+    )
+
+
+def test_cors_default_allows_loopback_pages_only(server) -> None:
+    base = server.base_url
+    for origin in ("http://localhost:5173", "http://127.0.0.1:3000", "https://localhost"):
+        pre = _preflight(base, origin)  # no API key: preflights never carry one
+        assert pre.status_code in (200, 204), pre.text
+        assert pre.headers["access-control-allow-origin"] == origin
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        reply = httpx.post(base + "/v1/chat/completions", json=chat("hi", max_tokens=4),
+                           headers={**AUTH, "Origin": origin}, timeout=30)
+        assert reply.status_code == 200
+        assert reply.headers["access-control-allow-origin"] == origin
+    for origin in ("https://evil.example", "http://localhost.evil.example"):
+        pre = _preflight(base, origin)
+        assert "access-control-allow-origin" not in pre.headers
+        reply = httpx.post(base + "/v1/chat/completions", json=chat("hi", max_tokens=4),
+                           headers={**AUTH, "Origin": origin}, timeout=30)
+        assert "access-control-allow-origin" not in reply.headers
+    # the API itself still wants the key, whatever the origin
+    reply = httpx.post(base + "/v1/chat/completions", json=chat("hi"),
+                       headers={"Origin": "http://localhost:5173"}, timeout=30)
+    assert reply.status_code == 401
+
+
+def test_cors_origins_flag_replaces_the_default(start_server) -> None:
+    srv = start_server("--cors-origins", "https://app.example.com, https://other.example")
+    pre = _preflight(srv.base_url, "https://app.example.com")
+    assert pre.headers.get("access-control-allow-origin") == "https://app.example.com"
+    assert "access-control-allow-origin" not in _preflight(srv.base_url, "http://localhost:5173").headers
