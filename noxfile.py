@@ -1,4 +1,5 @@
-"""Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``, ``wheels``."""
+"""Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``,
+``bench-serve``, ``wheels``."""
 
 from __future__ import annotations
 
@@ -60,6 +61,15 @@ def bench(session: nox.Session) -> None:
     geometry; 2 threads); `-- --llama-bench PATH` runs llama.cpp's llama-bench side by side."""
     install_project(session)
     session.run("python", "benchmarks/bench_decode.py", *session.posargs)
+
+
+@nox.session(python="3.11", name="bench-serve")
+def bench_serve(session: nox.Session) -> None:
+    """Many users at once, over HTTP: lmserve against llama.cpp's llama-server on the same
+    GGUF (`-- --llama-server PATH`): concurrent streaming chats, a long prompt arriving
+    mid-stream; `-- --spec` measures speculative decoding instead."""
+    install_project(session)
+    session.run("python", "benchmarks/bench_serve.py", *session.posargs)
 
 
 @nox.session(python="3.11")
