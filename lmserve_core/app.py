@@ -12,6 +12,7 @@ import structlog
 from litestar import Litestar, MediaType, Request, Response, get
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
+from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
@@ -20,6 +21,7 @@ from litestar.types import ControllerRouterHandler
 
 from . import __version__
 from .errors import LmserveError, QueueFull, Unauthorized
+from .metrics import CONTENT_TYPE, dialect_of
 from .plugins import pm
 from .server import Server, ServerDep
 from .wire_errors import error_body
@@ -62,7 +64,14 @@ def _error_response(request: Request[Any, Any, Any], status: int, message: str, 
     )
 
 
+def _count_refusal(request: Request[Any, Any, Any], status: int) -> None:
+    metrics = request.app.state.get("metrics")
+    if metrics is not None:
+        metrics.request(dialect_of(request.url.path), status)
+
+
 def handle_lmserve_error(request: Request[Any, Any, Any], exc: LmserveError) -> Response[Any]:
+    _count_refusal(request, exc.status)
     extra: dict[str, Any] = {}
     if isinstance(exc, QueueFull):
         extra["retry_after"] = exc.retry_after
@@ -90,6 +99,7 @@ def handle_validation_error(request: Request[Any, Any, Any], exc: ValidationExce
             where = f" at '{param}'" if param and not missing else ""
             message = f"invalid request body{where}: {detail}"
     log.info("request_rejected", path=request.url.path, status=400, error=message)
+    _count_refusal(request, 400)
     return _error_response(request, 400, message, param=param, code="invalid_request")
 
 
@@ -98,6 +108,7 @@ def handle_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Re
     message = exc.detail or "error"
     if status == 413:
         message = "request body too large"
+    _count_refusal(request, status)
     return _error_response(request, status, message)
 
 
@@ -105,12 +116,20 @@ def handle_too_deep(request: Request[Any, Any, Any], exc: RecursionError) -> Res
     # msgspec refuses JSON nested deeper than it recurses: the body is at fault, not us
     message = "the request body is nested too deeply"
     log.info("request_rejected", path=request.url.path, status=400, error=message)
+    _count_refusal(request, 400)
     return _error_response(request, 400, message, code="invalid_request")
 
 
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     log.exception("unhandled_error", path=request.url.path)
+    _count_refusal(request, 500)
     return _error_response(request, 500, f"internal error: {type(exc).__name__}")
+
+
+@get("/metrics", sync_to_thread=False, media_type=CONTENT_TYPE)
+def metrics(server: ServerDep) -> Response[bytes]:
+    """Prometheus metrics (text format): requests, tokens, latencies, queue, KV slots."""
+    return Response(server.engine.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @get(["/health", "/v1/health"], opt={"public": True}, include_in_schema=True, sync_to_thread=False)
@@ -204,7 +223,8 @@ def create_app(
             pm.hook.shutdown(backend=server.backend)
 
     return Litestar(
-        route_handlers=[health, list_models, *dialect_routes(), *extra_routes],
+        route_handlers=[health, list_models, metrics, *dialect_routes(), *extra_routes],
+        state=State({"metrics": server.engine.metrics}),
         dependencies={"server": Provide(lambda: server, use_cache=True, sync_to_thread=False)},
         guards=[make_auth_guard(server.api_key)],
         cors_config=cors_config(cors_origins),

@@ -25,6 +25,7 @@ import structlog
 from .backend import Backend
 from .errors import LmserveError, QueueFull, ShuttingDown
 from .events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
+from .metrics import Metrics
 from .plugins import pm
 from .request import NormalizedRequest
 
@@ -49,8 +50,15 @@ class RequestStream:
     skipped, a running one stops at its next token.
     """
 
-    def __init__(self, request: NormalizedRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        request: NormalizedRequest,
+        loop: asyncio.AbstractEventLoop,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.request = request
+        self._metrics = metrics
+        self._last_token: float | None = None
         self._loop = loop
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -65,10 +73,13 @@ class RequestStream:
         return self._cancelled.is_set()
 
     def emit(self, event: Event) -> None:
-        if self.timing.first_token is None and isinstance(
-            event, TextDelta | ReasoningDelta | ToolCallEvent
-        ):
-            self.timing.first_token = time.perf_counter()
+        if isinstance(event, TextDelta | ReasoningDelta | ToolCallEvent):
+            now = time.perf_counter()
+            if self.timing.first_token is None:
+                self.timing.first_token = now
+            elif self._metrics is not None and self._last_token is not None:
+                self._metrics.inter_token.observe(now - self._last_token)
+            self._last_token = now
         self._put(event)
 
     def _put(self, item: object) -> None:
@@ -121,6 +132,13 @@ class Engine:
             getattr(backend, "step", None)
         )
         self.batch_size = max(1, int(getattr(backend, "batch_size", 1))) if self._batching else 1
+        self.metrics = Metrics()
+        pool: Any = getattr(backend, "slots", None)
+        self.metrics.watch(
+            lambda: len(self._jobs),
+            lambda: len(self._active),
+            (lambda: pool.slots) if hasattr(pool, "slots") else None,
+        )
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
         self._ids = itertools.count(1)
         self._started = False
@@ -185,7 +203,7 @@ class Engine:
             # off the event loop, so other connections keep being served meanwhile.
             await asyncio.to_thread(self.backend.validate, request)
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(request, loop) for request in requests]
+        streams = [RequestStream(request, loop, self.metrics) for request in requests]
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
@@ -311,6 +329,8 @@ class Engine:
         finish = stream.finish or Finish("error")
         usage = finish.usage or Usage()
         ttft = (t.first_token - t.submitted) if t.first_token else None
+        self.metrics.request(stream.request.dialect, status)
+        self.metrics.usage(usage, ttft)
         gen_time = (t.finished - t.first_token) if (t.finished and t.first_token) else None
         tps = (
             (usage.completion_tokens - 1) / gen_time

@@ -190,3 +190,20 @@ def test_constrained_logprobs_cover_only_allowed_tokens(oai) -> None:
     # the mask leaves only tokens that start an allowed answer; their probabilities
     # renormalise over them
     assert all(re.match(r"^(P|L|Par|Paris|Ly|Lyon|Pa|Lyo)", t.token) for t in first.top_logprobs)
+
+
+def test_metrics_count_the_kv_slots(smol, oai) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    oai.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=4)
+    text = httpx.get(smol.base_url + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {API_KEY}"}).text
+    slots = {
+        s.labels["state"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "lmserve_kv_slots"
+    }
+    assert sum(slots.values()) == 4  # --batch 4: a slot per running generation
+    assert slots["resident"] >= 1 and slots["busy"] == 0
