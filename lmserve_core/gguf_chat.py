@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 
+from . import memory
 from .backend import Capabilities, ServerSettings
 from .chat_template import ChatTemplate, message_dicts, tool_dicts
 from .errors import InvalidRequest, LmserveError, Unsupported
@@ -178,6 +179,7 @@ class GGUFChatBackend:
         full = whole(self.context_length) if callable(whole) else (
             None if per_pos is None else per_pos * self.context_length
         )
+        n_slots = self._guard_memory(settings, per_pos, full, n_slots)
         log.info(
             "kv_cache",
             model=self.model_id,
@@ -198,6 +200,41 @@ class GGUFChatBackend:
         self._grammar_lock = threading.Lock()
         self._prefill_slice = 2 * PREFILL_MIN_SLICE  # prompt tokens read per shared step
         self.drafts = self._draft_source(settings)
+
+    def _guard_memory(
+        self, settings: ServerSettings, per_pos: int | None, per_slot: int | None, n_slots: int
+    ) -> int:
+        """The RAM guard (``memory.plan_kv_slots``): the slots to keep, with the arithmetic
+        logged. Fewer slots than ``--batch`` lower the batch too (a slot per generation)."""
+        if per_slot is None:
+            return n_slots
+        avail = settings.extra.get("available_memory", memory.available())
+        plan = memory.plan_kv_slots(
+            int(per_slot), n_slots, avail, force=bool(settings.extra.get("kv_slots_force"))
+        )
+        fields = dict(
+            bytes_per_position=per_pos,
+            bytes_per_slot=int(per_slot),
+            slots=n_slots,
+            total_bytes=int(per_slot) * n_slots,
+            available_bytes=avail,
+            model=self.model_id,
+        )
+        if plan.verdict in ("fits", "unknown"):
+            log.info("kv_memory", **fields, verdict=plan.verdict)
+        elif plan.verdict == "clamped":
+            log.warning(
+                "kv_memory", **fields, verdict="clamped", kept_slots=plan.slots,
+                detail="the slots would not fit in memory: kept what fits in half of it "
+                "(--kv-slots-force keeps them all)",
+            )
+        else:
+            log.warning(
+                "kv_memory", **fields, verdict=plan.verdict,
+                detail="the slots take more than half of the available memory",
+            )
+        self.batch_size = min(self.batch_size, plan.slots)
+        return plan.slots
 
     def _draft_source(self, settings: ServerSettings) -> DraftSource | None:
         """Speculative decoding's drafts: a draft model (``spec_draft``, a GGUF path), the

@@ -11,6 +11,9 @@ Two glibc behaviours cost a server like this one memory it never gives back:
   returned to the system by ``malloc_trim``.
 
 Elsewhere (another C library, another OS) both calls do nothing.
+
+:func:`available` and :func:`plan_kv_slots` are the RAM guard: the KV slots a server is
+asked for, priced at start-up against the memory the system has available.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 256 * 1024  # blocks from this size get their own mapping
@@ -49,3 +53,39 @@ def trim() -> bool:
     """Return freed heap memory of every arena to the system. True when some was."""
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0) == 1)
+
+
+def available() -> int | None:
+    """Bytes of memory available for new allocations (``MemAvailable``), or None where
+    the system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class SlotPlan(NamedTuple):
+    """How many KV slots to keep, and why."""
+
+    slots: int
+    verdict: str  # "fits", "warn" (over half of available), "clamped", "forced", "unknown"
+
+
+def plan_kv_slots(per_slot: int, wanted: int, avail: int | None, *, force: bool) -> SlotPlan:
+    """The RAM guard's decision for ``wanted`` slots of ``per_slot`` bytes (each once every
+    position is written: caches commit lazily, so an overcommit would otherwise show up
+    mid-serving as the system evicting the mapped weights). Over half of ``avail``: keep
+    them and warn. Over all of it: as many as fit in half (at least one), unless ``force``."""
+    if avail is None or per_slot <= 0:
+        return SlotPlan(wanted, "unknown")
+    total = per_slot * wanted
+    if total <= avail // 2:
+        return SlotPlan(wanted, "fits")
+    if total <= avail:
+        return SlotPlan(wanted, "warn")
+    if force:
+        return SlotPlan(wanted, "forced")
+    return SlotPlan(max(1, min(wanted, (avail // 2) // per_slot)), "clamped")

@@ -48,3 +48,62 @@ def test_trim_returns_freed_heap() -> None:
     before = _anon_kib()
     memory.trim()
     assert _anon_kib() <= before
+
+
+def test_ram_guard_fits_warns_clamps_and_forces() -> None:
+    from lmserve_core.memory import plan_kv_slots
+
+    gib = 2**30
+    assert plan_kv_slots(gib, 4, 16 * gib, force=False) == (4, "fits")
+    assert plan_kv_slots(gib, 4, 6 * gib, force=False) == (4, "warn")  # over half
+    assert plan_kv_slots(gib, 4, 3 * gib, force=False) == (1, "clamped")  # fits in half
+    assert plan_kv_slots(gib, 8, 7 * gib, force=False) == (3, "clamped")
+    assert plan_kv_slots(gib, 4, 3 * gib, force=True) == (4, "forced")
+    assert plan_kv_slots(4 * gib, 2, gib, force=False) == (1, "clamped")  # always one
+    assert plan_kv_slots(gib, 4, None, force=False) == (4, "unknown")
+
+
+def test_available_memory_is_read_from_the_system() -> None:
+    from lmserve_core.memory import available
+
+    avail = available()
+    assert avail is None or avail > 2**20
+
+
+@pytest.mark.parametrize(
+    ("available", "force", "slots", "batch"),
+    [(None, False, 4, 4), (12 * 2**20, False, 4, 4), (7 * 2**20, False, 1, 1),
+     (7 * 2**20, True, 4, 4)],
+)
+def test_backend_keeps_the_slots_the_guard_allows(
+    available: int | None, force: bool, slots: int, batch: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from models import smollm2_path
+    from scripted import ScriptedModel
+
+    from lmserve_core.backend import ServerSettings
+    from lmserve_core.gguf_chat import GGUFChatBackend
+    from lmserve_core.gguf_file import GGUFFile
+    from lmserve_core.model import FamilyConventions
+
+    class Priced(ScriptedModel):
+        kv_bytes_per_pos = 1024  # 2 MiB a slot of 2048 positions
+
+        def kv_bytes(self, n_ctx: int) -> int:
+            return self.kv_bytes_per_pos * n_ctx
+
+    extra: dict[str, object] = {"kv_slots_force": force}
+    if available is not None:
+        extra["available_memory"] = available
+    backend = GGUFChatBackend(
+        name="fake", gguf=GGUFFile.open(smollm2_path()), model=Priced(49152),  # type: ignore[arg-type]
+        conventions=FamilyConventions(),
+        settings=ServerSettings(ctx=2048, kv_slots=1, batch=4, extra=extra),
+    )
+    assert len(backend.slots.slots) == slots and backend.batch_size == batch
+    out = capsys.readouterr().out
+    assert "kv_memory" in out and "bytes_per_slot" in out
+    if slots < 4:
+        assert "clamped" in out
+    elif available is not None and available < 16 * 2**20:
+        assert "more than half" in out
