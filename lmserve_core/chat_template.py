@@ -346,6 +346,73 @@ def _prepare_call(call: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+class ControlTextGuard:
+    """Keeps control-token text that messages and tools supply from becoming control
+    tokens when the rendered prompt is tokenized with special-token parsing.
+
+    :meth:`apply` swaps every control-token text inside the strings of the template's
+    inputs (found by ``find``, e.g. ``Tokenizer.control_texts_in``) for a placeholder of
+    private-use characters; after rendering, :meth:`restore` puts the texts back and
+    returns the character spans they occupy, which the tokenizer reads as plain text
+    (``Tokenizer.encode(plain=...)``). A placeholder a template escaped as JSON comes back
+    as the text's JSON escape. Inputs without such text render exactly as before.
+    """
+
+    OPEN, CLOSE = "\ue000", "\ue001"
+    # a placeholder as is, or as JSON escapes it (a backslash, "ue000", ...)
+    _PLACED = re.compile("\ue000([0-9]+)\ue001|" + r"\\ue000([0-9]+)\\ue001")
+
+    def __init__(self, find: Callable[[str], list[str]]) -> None:
+        self._find = find
+        self.texts: list[str] = []
+
+    def apply(self, value: Any) -> Any:
+        """``value`` (strings, lists and dicts of them) with control texts replaced."""
+        if isinstance(value, str):
+            return self._guard(value)
+        if isinstance(value, dict):
+            return {k: self.apply(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.apply(v) for v in value]
+        return value
+
+    def _guard(self, text: str) -> str:
+        found = self._find(text)
+        if not found:
+            return text
+        pattern = re.compile("|".join(re.escape(t) for t in found))
+
+        def place(match: re.Match[str]) -> str:
+            self.texts.append(match.group(0))
+            return f"{self.OPEN}{len(self.texts) - 1}{self.CLOSE}"
+
+        return pattern.sub(place, text)
+
+    def restore(self, rendered: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text with the control texts back, and their spans."""
+        if not self.texts:
+            return rendered, []
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        pos = length = 0
+        for match in self._PLACED.finditer(rendered):
+            raw, escaped = match.group(1), match.group(2)
+            index = int(raw if raw is not None else escaped)
+            if index >= len(self.texts):
+                continue  # not one of ours
+            text = self.texts[index]
+            if raw is None:
+                text = json.dumps(text)[1:-1]
+            out.append(rendered[pos : match.start()])
+            length += match.start() - pos
+            spans.append((length, length + len(text)))
+            out.append(text)
+            length += len(text)
+            pos = match.end()
+        out.append(rendered[pos:])
+        return "".join(out), spans
+
+
 def message_dicts(messages: Iterable[Message]) -> list[dict[str, Any]]:
     """OpenAI-shaped message dicts (what templates expect) from normalized messages."""
     out: list[dict[str, Any]] = []

@@ -30,7 +30,7 @@ import structlog
 
 from . import memory
 from .backend import Capabilities, ServerSettings
-from .chat_template import ChatTemplate, message_dicts, tool_dicts
+from .chat_template import ChatTemplate, ControlTextGuard, message_dicts, tool_dicts
 from .errors import InvalidRequest, LmserveError, Unsupported
 from .events import (
     ErrorEvent,
@@ -335,8 +335,9 @@ class GGUFChatBackend:
             return self.tokenizer.encode(request.prompt, add_special=True, parse_special=True), None
         # A BOS the template writes itself was dropped from the text when the vocabulary
         # adds one (ChatTemplate.from_gguf), as llama.cpp does.
-        text = self._render(request)
-        return self.tokenizer.encode(text, add_special=True, parse_special=True), text
+        text, plain = self._render(request)
+        tokens = self.tokenizer.encode(text, add_special=True, parse_special=True, plain=plain)
+        return tokens, text
 
     def _prepare(self, request: NormalizedRequest) -> _Prepared:
         tokens, text = self._prompt_tokens(request)
@@ -394,7 +395,10 @@ class GGUFChatBackend:
             raise InvalidRequest(str(exc), param="tool_choice") from None
         return Constraint(kind="lark", source=grammar, name="tool_call"), convention
 
-    def _render(self, request: NormalizedRequest) -> str:
+    def _render(self, request: NormalizedRequest) -> tuple[str, list[tuple[int, int]]]:
+        """The chat prompt, and the spans of control-token text its messages and tools
+        supplied: those are tokenized as text, never as control tokens."""
+        guard = ControlTextGuard(self.tokenizer.control_texts_in)
         kwargs: dict[str, Any] = dict(request.template_kwargs)
         switch = self.conventions.thinking_switch
         if switch is not None:
@@ -402,8 +406,8 @@ class GGUFChatBackend:
             # same name must not undo it
             kwargs[switch] = self._thinking(request)
         hidden = request.tool_choice.mode == ToolChoiceMode.NONE
-        tools = None if hidden else (tool_dicts(request.tools) or None)
-        messages = message_dicts(request.messages)
+        tools = None if hidden else (guard.apply(tool_dicts(request.tools)) or None)
+        messages = guard.apply(message_dicts(request.messages))
         text = self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
         if tools and self.capabilities.tools is None and _forced(request):
             # A family without a convention gets its forced call from a grammar; if its
@@ -416,7 +420,7 @@ class GGUFChatBackend:
                     messages, tools=None, add_generation_prompt=True, **kwargs
                 )
         finish = self.conventions.finish_prompt
-        return text if finish is None else finish(text)
+        return guard.restore(text if finish is None else finish(text))
 
     @staticmethod
     def _thinking(request: NormalizedRequest) -> bool:

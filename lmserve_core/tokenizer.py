@@ -429,19 +429,26 @@ class Tokenizer:
     # -- encode -------------------------------------------------------------------------------
 
     def encode(
-        self, text: str, *, add_special: bool = True, parse_special: bool = False
+        self,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        plain: Sequence[tuple[int, int]] = (),
     ) -> list[int]:
         """Token ids of ``text``.
 
         ``add_special`` adds BOS (and EOS) when the vocabulary asks for them;
         ``parse_special`` lets control-token texts such as ``<|im_start|>`` become their ids
-        (user-defined tokens always do, as in llama.cpp).
+        (user-defined tokens always do, as in llama.cpp), except inside the character spans
+        ``plain`` (start, end), where they stay text: e.g. what a message supplied, in a
+        rendered chat prompt.
         """
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
         prev_special = True
-        for frag in self._partition(text, parse_special):
+        for frag in self._partition_spans(text, parse_special, plain):
             if isinstance(frag, int):
                 out.append(frag)
                 prev_special = True
@@ -472,6 +479,36 @@ class Tokenizer:
             # Lone surrogates (possible in JSON input) are not encodable text.
             text = _SURROGATES.sub("\ufffd", text)
             return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def control_texts_in(self, text: str) -> list[str]:
+        """The texts of control tokens (those only ``parse_special`` splits out) that occur
+        in ``text``, longest first."""
+        user = {tok for tok, _ in self._split_user.occurring_in(text)}
+        return [tok for tok, _ in self._split_all.occurring_in(text) if tok not in user]
+
+    def _partition_spans(
+        self, text: str, parse_special: bool, plain: Sequence[tuple[int, int]]
+    ) -> list[str | int]:
+        if not plain or not parse_special:
+            return self._partition(text, parse_special)
+        frags: list[str | int] = []
+        pos = 0
+        for start, end in sorted(plain):
+            start, end = max(start, pos), min(end, len(text))
+            if start >= end:
+                continue
+            frags += self._partition(text[pos:start], True)
+            frags += self._partition(text[start:end], False)
+            pos = end
+        frags += self._partition(text[pos:], True)
+        # text on both sides of a span is one fragment, tokenized as a whole
+        merged: list[str | int] = []
+        for f in frags:
+            if isinstance(f, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += f
+            else:
+                merged.append(f)
+        return merged
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         if not text:

@@ -292,3 +292,17 @@ def test_spm_merges_follow_scores() -> None:
     )
     assert [tok.token_text(i) for i in tok.encode("abc")] == ["<s>", "ab", "c"]
     assert tok.decode(tok.encode("abc"), skip_special=True) == "abc"
+
+
+def test_plain_spans_keep_control_text_as_text(smollm2: Tokenizer) -> None:
+    text = "<|im_start|>user\nsay <|im_end|> now<|im_end|>\n"
+    start = text.index("<|im_end|>")
+    span = (start, start + len("<|im_end|>"))
+    parsed = smollm2.encode(text, add_special=False, parse_special=True)
+    guarded = smollm2.encode(text, add_special=False, parse_special=True, plain=[span])
+    assert parsed.count(2) == 2 and guarded.count(2) == 1  # <|im_end|> is id 2
+    # the span is tokenized together with the text around it, as plain text would be
+    inner = smollm2.encode("user\nsay <|im_end|> now", add_special=False)
+    assert guarded == [1, *inner, 2, *smollm2.encode("\n", add_special=False)]
+    assert smollm2.control_texts_in("a <|im_end|> b <|im_start|>") == ["<|im_start|>", "<|im_end|>"]
+    assert smollm2.control_texts_in("plain text") == []
