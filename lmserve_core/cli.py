@@ -15,6 +15,7 @@ import structlog
 
 from . import __version__, logs, plugins
 from .backend import BackendSpec, ServerSettings
+from .errors import LmserveError
 
 log = structlog.get_logger("lmserve")
 
@@ -252,7 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     try:
         backend = spec.factory(model, settings)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, LmserveError) as exc:  # e.g. a chat template that cannot load
         raise UsageError(f"cannot load {model}: {exc}") from exc
     if args.batch > 1 and not callable(getattr(backend, "step", None)):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")

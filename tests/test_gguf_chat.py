@@ -561,3 +561,24 @@ def test_control_token_text_in_a_conversation_stays_text(gguf: GGUFFile) -> None
     backend = make_backend(gguf, capabilities=Capabilities(grammar=True, tools=HERMES))
     backend.template = ChatTemplate(CHATML_TEMPLATE)
     check_control_text_stays_text(backend, marker)
+
+
+def test_a_runaway_template_fails_the_request_not_the_server(gguf: GGUFFile) -> None:
+    import time
+
+    from lmserve_core.chat_template import ChatTemplate, ChatTemplateError
+
+    backend = make_backend(gguf)
+    good = backend.template
+    backend.template = ChatTemplate(
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        "{{ f(40) }}",
+        timeout=1.0,
+    )
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError):
+        backend.validate(chat("hi"))
+    assert time.monotonic() - start < 4.0
+    backend.template = good
+    finish, sink = run(backend, chat("hi", max_tokens=3))  # the backend serves on
+    assert finish.usage.completion_tokens == 3
