@@ -1,5 +1,5 @@
 """Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``,
-``bench-serve``, ``wheels``."""
+``bench-serve``, ``fuzz``, ``wheels``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,16 @@ def bench_serve(session: nox.Session) -> None:
     mid-stream; `-- --spec` measures speculative decoding instead."""
     install_project(session)
     session.run("python", "benchmarks/bench_serve.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def fuzz(session: nox.Session) -> None:
+    """The HTTP surface fuzzed from its OpenAPI document (schemathesis), with more examples
+    per operation than the test suite's run (`LMSERVE_FUZZ_EXAMPLES`, default 100)."""
+    install_project(session)
+    session.env.setdefault("LMSERVE_FUZZ_EXAMPLES", "100")
+    session.run("pytest", "tests/test_fuzz_http.py", "-q", "-p", "no:cacheprovider",
+                *session.posargs)
 
 
 @nox.session(python="3.11")
