@@ -22,8 +22,6 @@ log = structlog.get_logger("lmserve")
 # Flags of features that are not built yet: parsed so scripts keep working, refused
 # with a clear message instead of being silently ignored.
 _NOT_YET = {
-    "kv_cache_dir": "--kv-cache-dir (the disk KV tier)",
-    "kv_disk_slots": "--kv-disk-slots (the disk KV tier)",
     "cartridge": "--cartridge (KV-prefix cartridges)",
     "fleet": "--fleet (cartridge fleets)",
     "experts": "--experts (MoE expert borrowing)",
@@ -132,8 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="f16",
         help="KV cache storage: f16 (default, half the memory) or f32",
     )
-    s.add_argument("--kv-cache-dir", help="spill evicted KV slots to this directory")
-    s.add_argument("--kv-disk-slots", type=int, help="at most N spilled slot files")
+    s.add_argument(
+        "--kv-cache-dir",
+        metavar="DIR",
+        help="the KV disk tier: slots about to be overwritten, and every resident slot at a "
+        "graceful stop, are kept in files here and restored by later requests, across restarts",
+    )
+    s.add_argument("--kv-disk-slots", type=int, help="at most N files in the disk tier (default 64)")
+    s.add_argument(
+        "--kv-disk-max-gb", type=float, help="at most G GiB of files in the disk tier (default 8)"
+    )
     s.add_argument(
         "--spec",
         action="store_true",
@@ -167,6 +173,10 @@ def _check_ranges(args: argparse.Namespace) -> None:
         raise UsageError("--threads must be 0 (all cores) or positive")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be 1..65535 (got {args.port})")
+    if args.kv_disk_slots is not None and args.kv_disk_slots < 1:
+        raise UsageError("--kv-disk-slots must be at least 1")
+    if args.kv_disk_max_gb is not None and not args.kv_disk_max_gb > 0:
+        raise UsageError("--kv-disk-max-gb must be positive")
     if args.spec_draft and not Path(args.spec_draft).is_file():
         raise UsageError(f"draft model file not found: {args.spec_draft}")
     for name, what in _NOT_YET.items():
@@ -249,6 +259,9 @@ def serve(args: argparse.Namespace) -> int:
             "kv_slots_force": args.kv_slots_force,
             "spec": args.spec,
             "spec_draft": args.spec_draft,
+            "kv_cache_dir": args.kv_cache_dir,
+            "kv_disk_slots": args.kv_disk_slots,
+            "kv_disk_max_gb": args.kv_disk_max_gb,
         },
     )
     try:

@@ -45,6 +45,7 @@ from .events import (
     Usage,
 )
 from .gguf_file import GGUFFile
+from .kv_disk import DiskTier, model_fingerprint
 from .kv_slots import KVSlot, SlotPool
 from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
@@ -193,6 +194,7 @@ class GGUFChatBackend:
             n_slots,
             lambda: self.model.new_cache(self.context_length),
             self.model.copy_rows,
+            disk=self._disk_tier(gguf, settings),
         )
         self._prepared: OrderedDict[str, _Prepared] = OrderedDict()
         self._prepared_lock = threading.Lock()
@@ -200,6 +202,28 @@ class GGUFChatBackend:
         self._grammar_lock = threading.Lock()
         self._prefill_slice = 2 * PREFILL_MIN_SLICE  # prompt tokens read per shared step
         self.drafts = self._draft_source(settings)
+
+    def _disk_tier(self, gguf: GGUFFile, settings: ServerSettings) -> DiskTier | None:
+        """The KV disk tier under ``kv_cache_dir``, for this model and cache layout."""
+        directory = settings.extra.get("kv_cache_dir")
+        if not directory:
+            return None
+        probe = self.model.new_cache(16)
+        identity = {
+            "model": model_fingerprint(gguf),
+            "cache_kind": probe.kind.name,
+            "geometry": [list(layer) for layer in getattr(self.model, "cache_layers", None) or []],
+            "kv_type": getattr(self.model, "kv_type", None),
+        }
+        _close(probe)
+        if not probe.kind.snapshot:
+            log.warning("kv_disk_unsupported", kind=probe.kind.name, model=self.model_id)
+            return None
+        return DiskTier(
+            directory, identity,
+            max_files=int(settings.extra.get("kv_disk_slots") or 64),
+            max_bytes=int(float(settings.extra.get("kv_disk_max_gb") or 8.0) * 2**30),
+        )
 
     def _guard_memory(
         self, settings: ServerSettings, per_pos: int | None, per_slot: int | None, n_slots: int
@@ -312,7 +336,14 @@ class GGUFChatBackend:
         return self.tokenizer.token_bytes(token_id)
 
     def close(self) -> None:
-        """Free the caches and the model."""
+        """Keep the resident slots in the disk tier (when there is one), then free the
+        caches and the model."""
+        if self.slots.disk is not None:
+            try:
+                written = self.slots.flush()
+                log.info("kv_disk_flushed", files=written, model=self.model_id)
+            except Exception:  # the stop goes on: what is on disk stays valid
+                log.exception("kv_disk_flush_failed", model=self.model_id)
         for slot in self.slots.slots:
             if slot.allocated:
                 _close(slot.cache)
@@ -587,6 +618,10 @@ class GGUFChatBackend:
         if gen.slot is None:
             gen.slot, gen.usage.cached_tokens = self.slots.adopt(prompt)
             gen.slot.busy = True
+            log.info(
+                "kv_reuse", id=gen.request.id, tier=self.slots.last_tier,
+                cached_tokens=gen.usage.cached_tokens, prompt_tokens=len(prompt),
+            )
         slot = gen.slot
         pos = len(slot.tokens)
         chunk = prompt[pos : pos + (self._prefill_slice if shared else PREFILL_CHUNK)]

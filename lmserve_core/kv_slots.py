@@ -26,8 +26,12 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import numpy as np
+import structlog
 
+from .kv_disk import DiskTier
 from .model import KVCache
+
+log = structlog.get_logger("lmserve.kv_slots")
 
 C = TypeVar("C", bound=KVCache)
 
@@ -43,6 +47,7 @@ class KVSlot(Generic[C]):
     tokens: list[int] = field(default_factory=list)
     last_used: int = 0
     busy: bool = False  # a sequence is being generated in it
+    stored: int = 0  # how many of its tokens a disk-tier file holds
     _cache: C | None = field(default=None, repr=False)
 
     @property
@@ -61,11 +66,13 @@ class KVSlot(Generic[C]):
         if n < len(self.tokens) and self._cache is not None:
             self._cache.truncate(n)
         del self.tokens[n:]
+        self.stored = min(self.stored, n)
 
     def release(self) -> None:
         """Drop the cache (it is reallocated empty on next use)."""
         self._cache = None
         self.tokens.clear()
+        self.stored = 0
 
 
 @dataclass(slots=True)
@@ -84,12 +91,15 @@ class SlotPool(Generic[C]):
         n_slots: int,
         make_cache: Callable[[], C],
         copy_rows: Callable[[C, C, int], None] | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         if n_slots < 1:
             raise ValueError("n_slots must be at least 1")
         self.slots: list[KVSlot[C]] = [KVSlot(i, make_cache) for i in range(n_slots)]
         self._copy_rows = copy_rows
         self._tick = 0
+        self.disk = disk
+        self.last_tier = "none"  # where the last adopt found its prefix: resident, disk, none
 
     def adopt(self, prompt: Sequence[int]) -> tuple[KVSlot[C], int]:
         """Pick a slot that is not busy for ``prompt``; return it and how many leading tokens
@@ -116,27 +126,98 @@ class SlotPool(Generic[C]):
             key=lambda m: (m.reusable, m.continuation, m.slot.last_used),
             default=None,
         )
-        if best is None or best.reusable <= SIMILARITY_GATE * len(prompt):
+        gate = SIMILARITY_GATE * len(prompt)
+        resident = best.reusable if best is not None else 0
+        if self.disk is not None:
+            restored = self._restore(prompt, limit, free, max(resident, gate))
+            if restored is not None:
+                return restored
+            self.disk.stats.misses += 1
+        if best is None or best.reusable <= gate:
             slot = self._lru(free)
-            slot.truncate(0)
+            self._cut(slot, 0)
+            self.last_tier = "none"
             return self._touch(slot), 0
 
+        self.last_tier = "resident"
         donor, n = best.slot, best.reusable
         others = [slot for slot in free if slot is not donor]
         if not donor.busy and (
             best.continuation or copy is None or not others or not donor.cache.kind.copy_prefix
         ):
-            donor.truncate(n)
+            self._cut(donor, n)
             return self._touch(donor), n
 
         # Same prefix, different conversation (or one still being generated): copy it so
         # the donor survives.
         assert copy is not None
         target = self._lru(others)
-        target.truncate(0)
+        self._cut(target, 0)
         copy(donor.cache, target.cache, n)
         target.tokens[:] = prompt[:n]
         return self._touch(target), n
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def _restore(
+        self, prompt: Sequence[int], limit: int, free: list[KVSlot[C]], beat: float
+    ) -> tuple[KVSlot[C], int] | None:
+        """Restore the disk tier's best file for ``prompt`` into a free slot when it reuses
+        more than ``beat`` tokens; None otherwise."""
+        assert self.disk is not None
+        found = self.disk.match(prompt, limit)
+        if found is None or found[1] <= beat:
+            return None
+        entry, common = found
+        target = self._lru(free)
+        n = int(entry.tokens.size)
+        if n > target.cache.n_ctx or not target.cache.kind.snapshot:
+            return None
+        state = self.disk.load(entry)
+        if state is None:
+            return None
+        self._cut(target, 0)
+        try:
+            target.cache.restore(n, state)  # type: ignore[attr-defined]
+        except (ValueError, RuntimeError) as exc:  # a state the cache refuses
+            self.disk._drop(entry)
+            self.disk.stats.skipped += 1
+            log.warning("kv_disk_skipped", path=str(entry.path), reason=str(exc))
+            target.truncate(0)
+            return None
+        target.tokens[:] = entry.tokens.tolist()
+        target.stored = n
+        reusable = target.cache.reusable_prefix(n, common)
+        target.truncate(reusable)
+        if reusable <= beat:  # e.g. a window that cannot continue from so early
+            return None
+        self.disk.stats.hits += 1
+        self.last_tier = "disk"
+        return self._touch(target), reusable
+
+    def _cut(self, slot: KVSlot[C], n: int) -> None:
+        """Cut ``slot`` back to ``n`` tokens; when that drops more than half of what it
+        holds and no file has it yet, it is spilled to the disk tier first."""
+        held = len(slot.tokens)
+        if self.disk is not None and n < held / 2:
+            self.spill(slot)
+        slot.truncate(n)
+
+    def spill(self, slot: KVSlot[C]) -> bool:
+        """Store ``slot``'s tokens and cache state in the disk tier, unless a file has
+        them; True when a file was written."""
+        held = len(slot.tokens)
+        if self.disk is None or held == 0 or slot.stored >= held or not slot.allocated:
+            return False
+        if not slot.cache.kind.snapshot:
+            return False
+        written = self.disk.store(slot.tokens, slot.cache.snapshot(held))  # type: ignore[attr-defined]
+        slot.stored = held
+        return written
+
+    def flush(self) -> int:
+        """Spill every resident slot no file holds yet (a graceful stop); the files written."""
+        return sum(self.spill(slot) for slot in self.slots)
 
     @staticmethod
     def _match(slot: KVSlot[C], prompt: Sequence[int], limit: int) -> _Match[C]:

@@ -28,6 +28,15 @@ class FakeCache(AttentionCache):
         self.n_ctx = n_ctx
         self.rows = np.full(n_ctx, -1, dtype=np.int64)  # the token each K/V row was made from
 
+    def snapshot(self, n: int) -> np.ndarray:
+        return self.rows[:n].astype("<i8").view(np.uint8).copy()
+
+    def restore(self, n: int, state: np.ndarray) -> None:
+        rows = np.asarray(state, dtype=np.uint8).view("<i8")
+        if rows.size != n:
+            raise ValueError("a state of another length")
+        self.rows[:n] = rows
+
 
 class ScriptedModel:
     """Replies with ``script`` (token ids), counted from the last ``<|im_start|>assistant\\n``;
