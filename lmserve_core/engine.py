@@ -139,6 +139,9 @@ class Engine:
             lambda: len(self._active),
             (lambda: pool.slots) if hasattr(pool, "slots") else None,
         )
+        disk = getattr(pool, "disk", None)
+        if disk is not None:
+            self.metrics.watch_disk(lambda: disk.stats)
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
         self._ids = itertools.count(1)
         self._started = False

@@ -7,11 +7,13 @@ process's own registry, so two servers in one process (tests) keep separate figu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from .events import Usage
 
@@ -86,6 +88,10 @@ class Metrics:
         for state in ("busy", "resident", "empty"):
             self.kv_slots.labels(state).set_function(_slot_count(slots, state))
 
+    def watch_disk(self, stats: Callable[[], Any]) -> None:
+        """Report the KV disk tier's counters (``kv_disk.TierStats``) when scraped."""
+        self.registry.register(_DiskCollector(stats))
+
     def request(self, dialect: str | None, status: int) -> None:
         if dialect is not None:
             self.requests.labels(dialect, str(status)).inc()
@@ -100,6 +106,29 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition of every series."""
         return generate_latest(self.registry)
+
+
+class _DiskCollector(Collector):
+    """The disk tier's counters, read from its statistics at each scrape."""
+
+    FIELDS = (
+        ("hits", "Requests whose prefix came from a disk-tier file"),
+        ("misses", "Requests that found no disk-tier file better than the resident slots"),
+        ("spills", "Disk-tier files written"),
+        ("bytes_written", "Bytes written to the disk tier"),
+        ("bytes_read", "Bytes read from the disk tier"),
+        ("skipped", "Disk-tier files refused (corrupt, truncated, another model)"),
+    )
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._stats()
+        for name, help_text in self.FIELDS:
+            yield CounterMetricFamily(
+                f"lmserve_kv_disk_{name}", help_text, value=float(getattr(stats, name, 0))
+            )
 
 
 def _slot_count(slots: Callable[[], Any], state: str) -> Callable[[], float]:

@@ -139,6 +139,12 @@ def test_one_slot_alternating_conversations_spill_and_restore(
     assert backend.slots.last_tier == "disk" and again.usage.cached_tokens > 150
     check_shadow(backend)  # restored rows hold exactly their tokens
     assert backend.slots.disk is not None and backend.slots.disk.stats.hits == 2
+    from lmserve_core.engine import Engine
+
+    metrics = Engine(backend).metrics.render().decode()
+    assert "lmserve_kv_disk_hits_total 2.0" in metrics
+    assert f"lmserve_kv_disk_spills_total {float(backend.slots.disk.stats.spills)}" in metrics
+    assert backend.slots.disk.stats.spills == 3  # ships, then cats, then cats with its reply
 
 
 def test_a_restart_serves_the_first_request_from_disk(gguf: GGUFFile, tmp_path: Path) -> None:
