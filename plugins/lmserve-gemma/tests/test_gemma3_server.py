@@ -48,8 +48,8 @@ def test_conventions() -> None:
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    # no --backend: the gemma3 architecture picks the gemma family; one slot, so an
-    # unrelated request evicts the conversation
+    # no --backend: the gemma3 architecture picks the gemma family; one slot (and so one
+    # request at a time), so an unrelated request evicts the conversation
     running = launch(
         str(gemma3_path()),
         "--ctx",
@@ -57,6 +57,8 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         "--threads",
         "2",
         "--kv-slots",
+        "1",
+        "--batch",
         "1",
         scripted=False,
         log_dir=tmp_path_factory.mktemp("gemma3"),
