@@ -169,3 +169,29 @@ def test_a_restart_serves_the_first_request_from_disk(gguf: GGUFFile, tmp_path: 
                                 extra={"kv_cache_dir": str(tmp_path)}),
     )
     assert other.slots.disk is not None and other.slots.disk.entries == []
+
+
+def test_two_servers_sharing_a_directory_keep_every_file_whole(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # two processes write the same conversations and their own ones at once
+    script = (
+        "import sys, numpy as np\n"
+        "from lmserve_core.kv_disk import DiskTier\n"
+        f"identity = {IDENTITY!r}\n"
+        "tier = DiskTier(sys.argv[1], identity, max_files=200, max_bytes=1 << 30)\n"
+        "me = int(sys.argv[2])\n"
+        "for i in range(40):\n"
+        "    tier.store([i, 1, 2, 3], np.full(50_000, i, np.uint8))\n"
+        "    tier.store([1000 * me + i, 7], np.full(50_000, me, np.uint8))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(me)])
+             for me in (1, 2)]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    tier = DiskTier(tmp_path, IDENTITY, max_files=200, max_bytes=1 << 30)
+    assert len(tier.entries) == 120  # 40 shared, 40 of each
+    for entry in tier.entries:
+        state = tier.load(entry)
+        assert state is not None  # whole: its checksum holds
+    assert not list(tmp_path.glob("*.tmp"))
