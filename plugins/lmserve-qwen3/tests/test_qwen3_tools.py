@@ -102,15 +102,18 @@ class Steer:
         self.tokenizer = backend.tokenizer
         self.close_id = backend.tokenizer.token_id("</think>")
         self.reset()
-        forward, prefill = backend.model.forward, backend._prefill
+        forward, prefill = backend.model.forward, backend._prefill_some
 
-        def steered_prefill(slot: Any, prompt: Any, start: int, sink: Any) -> Any:
-            self._k, self.steps, self._prefilling = 0, [], True
+        def steered_prefill(gen: Any, shared: bool) -> None:
+            if gen.slot is None:  # a new request starts reading its prompt
+                self._k, self.steps = 0, []
+            was, self._prefilling = gen.prefilled, True
             try:
-                logits = prefill(slot, prompt, start, sink)
+                prefill(gen, shared)
             finally:
                 self._prefilling = False
-            return None if logits is None else self._bias(logits)
+            if gen.prefilled and not was and gen.logits is not None:
+                gen.logits = self._bias(gen.logits)
 
         def steered_forward(cache: Any, tokens: Sequence[int], pos: int, **kwargs: Any) -> Any:
             logits = forward(cache, tokens, pos, **kwargs)
@@ -121,7 +124,7 @@ class Steer:
                 self.script, self.then, self._k = self.then, None, 0
             return self._bias(logits)
 
-        backend._prefill = steered_prefill
+        backend._prefill_some = steered_prefill
         backend.model.forward = steered_forward
 
     def reset(self) -> None:
