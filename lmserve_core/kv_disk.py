@@ -162,19 +162,26 @@ class DiskTier:
     def match(self, prompt: Sequence[int], limit: int) -> tuple[StoredPrefix, int] | None:
         """The file sharing the longest prefix with ``prompt`` (at most ``limit`` tokens),
         and that length."""
+        ranked = self.matches(prompt, limit)
+        return ranked[0] if ranked else None
+
+    def matches(self, prompt: Sequence[int], limit: int) -> list[tuple[StoredPrefix, int]]:
+        """Every file sharing a prefix with ``prompt`` (at most ``limit`` tokens) and its
+        length, the longest first (the most recently used among equals)."""
         if not prompt:
-            return None
+            return []
         ids = np.asarray(prompt[:limit], dtype=np.int32)
-        best: tuple[StoredPrefix, int] | None = None
         with self._lock:
             entries = list(self.entries)
+        found = []
         for entry in entries:
             n = min(ids.size, entry.tokens.size)
             diff = np.flatnonzero(ids[:n] != entry.tokens[:n])
             common = int(diff[0]) if diff.size else n
-            if common > 0 and (best is None or common > best[1]):
-                best = (entry, common)
-        return best
+            if common > 0:
+                found.append((entry, common))
+        found.sort(key=lambda m: (m[1], m[0].used), reverse=True)
+        return found
 
     def holds(self, tokens: Sequence[int]) -> bool:
         """True when a file holds ``tokens`` (or a longer conversation starting with them)."""

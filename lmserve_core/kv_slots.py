@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import structlog
 
-from .kv_disk import DiskTier
+from .kv_disk import DiskTier, StoredPrefix
 from .model import KVCache
 
 log = structlog.get_logger("lmserve.kv_slots")
@@ -165,17 +165,23 @@ class SlotPool(Generic[C]):
         """Restore the disk tier's best file for ``prompt`` into a free slot when it reuses
         more than ``beat`` tokens; None otherwise."""
         assert self.disk is not None
-        found = self.disk.match(prompt, limit)
-        if found is None or found[1] <= beat:
-            return None
-        entry, common = found
         target = self._lru(free)
+        for entry, common in self.disk.matches(prompt, limit)[:3]:
+            if common <= beat:
+                return None
+            n = int(entry.tokens.size)
+            if n > target.cache.n_ctx or not target.cache.kind.snapshot:
+                continue
+            state = self.disk.load(entry)  # None: a file that turned out bad (dropped)
+            if state is not None:
+                return self._restore_into(target, entry, common, state, beat)
+        return None
+
+    def _restore_into(
+        self, target: KVSlot[C], entry: StoredPrefix, common: int, state: Any, beat: float
+    ) -> tuple[KVSlot[C], int] | None:
+        assert self.disk is not None
         n = int(entry.tokens.size)
-        if n > target.cache.n_ctx or not target.cache.kind.snapshot:
-            return None
-        state = self.disk.load(entry)
-        if state is None:
-            return None
         self._cut(target, 0)
         try:
             target.cache.restore(n, state)  # type: ignore[attr-defined]

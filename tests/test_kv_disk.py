@@ -195,3 +195,24 @@ def test_two_servers_sharing_a_directory_keep_every_file_whole(tmp_path: Path) -
         state = tier.load(entry)
         assert state is not None  # whole: its checksum holds
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_bad_file_falls_back_to_the_next_best(tmp_path: Path) -> None:
+    from scripted import FakeCache
+
+    from lmserve_core.kv_slots import SlotPool
+
+    tier = DiskTier(tmp_path, IDENTITY, max_files=8, max_bytes=1 << 20)
+    for tokens in ([*range(10), 50, 51], [*range(10), 60, 61, 62]):
+        cache = FakeCache(64)
+        cache.rows[: len(tokens)] = tokens
+        tier.store(tokens, cache.snapshot(len(tokens)))
+    best = max(tier.entries, key=lambda e: e.tokens.size)
+    data = bytearray(best.path.read_bytes())
+    data[-1] ^= 0xFF
+    best.path.write_bytes(bytes(data))
+    pool = SlotPool(1, lambda: FakeCache(64), disk=tier)
+    slot, n = pool.adopt([*range(10), 60, 61, 62, 99])
+    assert pool.last_tier == "disk" and n == 10  # from the other file
+    assert slot.cache.rows[:10].tolist() == list(range(10))
+    assert best not in tier.entries  # the corrupt one is out of the index

@@ -45,6 +45,7 @@ def check_control_text_stays_text(backend: Any, marker: str, *, tools: bool = Tr
     those of the same conversation without it (the template's own markers), and the marker
     is there as text."""
     tokenizer = backend.tokenizer
+    assert tokenizer.control_texts_in(marker), "the marker must hold control-token text"
     for with_marker, without in injection_requests(marker, tools=tools):
         backend.validate(with_marker)
         tokens = backend._prompt_tokens(with_marker)[0]
