@@ -34,7 +34,8 @@ from lmserve_core.testing.assets import TOKENIZERS, cache_dir, tokenizer_dir
 
 T = GGMLQuantizationType
 
-# Bump when the bytes this module writes change: it keys the caches built on it.
+# Bump when the bytes this module (or synthetic.py, which writes with it) writes change: it
+# keys the caches built on it.
 WRITER_VERSION = "2"
 
 

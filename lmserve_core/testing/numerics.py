@@ -1,19 +1,22 @@
-"""Helpers of the families' numerical tests: greedy decoding on both sides of a comparison
-and llama-perplexity's scoring rule. torch is imported only by the functions that run a
-transformers reference."""
+"""Helpers of the families' numerical tests: greedy decoding on both sides of a comparison,
+llama-perplexity's scoring rule, and the loading of a test module's references. torch is
+imported only by the functions that run a transformers reference."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 
 from lmserve_core.native import kernels
+
+R = TypeVar("R")
 
 
 @contextlib.contextmanager
@@ -191,8 +194,39 @@ def gguf_reference(path: str | os.PathLike[str], **kwargs: Any) -> Any:
 
 def load_json(path: Path) -> dict[str, Any]:
     """A recorded reference run (e.g. llama-perplexity's); the test skips when it is missing."""
-    import pytest
-
     if not path.exists():
         pytest.skip(f"{path.name} (a recorded reference run) is missing")
     return dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+@pytest.fixture(autouse=True)
+def f32_reference_path() -> Iterator[None]:
+    """Every test of a module that imports this fixture on the reference path: f32
+    activations in every product. The served default, int16 activations in decode's
+    products, has its own tests."""
+    with f32_products():
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> None:
+    """torch on one thread for the tests of a module that imports this fixture: its OpenMP
+    barriers stall on a busy 2-core machine; one thread is steadier."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def reference_loader(load: Callable[[str, Any], R]) -> Callable[..., R]:
+    """``reference(synthetic, kind, type="f32")``: ``load(kind, model)`` of the synthetic
+    model ``synthetic(kind=kind, type=type)`` (``synthetic`` the families' fixture), loaded
+    once per kind and type and kept for the rest of the session."""
+    loaded: dict[tuple[str, str], R] = {}
+
+    def reference(synthetic: Callable[..., Any], kind: str, type: str = "f32") -> R:
+        key = (kind, type)
+        if key not in loaded:
+            loaded[key] = load(kind, synthetic(kind=kind, type=type))
+        return loaded[key]
+
+    return reference

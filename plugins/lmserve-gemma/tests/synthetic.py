@@ -51,7 +51,9 @@ importable there as ``gemma_synthetic``)::
     meta = synthetic_model("gemma4").meta  # geometry, prompt ids, logit spread, greedy run
 
 Models are cached under ``$LMSERVE_TEST_CACHE`` (default ``~/.cache/lmserve-test-assets``),
-keyed by a hash of the spec and this script's version; writes are atomic.
+keyed by a hash of the spec and this script's version; writes are atomic. Writing, caching
+and the command line are :mod:`lmserve_core.testing.synthetic`'s, which this module
+describes the Gemma models to (:data:`GEMMA`).
 
 As a script::
 
@@ -61,33 +63,25 @@ As a script::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
 import json
 import re
-import shutil
 import sys
-import tempfile
-import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
-from lmserve_core.testing import kquants
+from lmserve_core.testing import synthetic as shared
 from lmserve_core.testing.assets import TOKENIZERS, cache_dir, tokenizer_dir
-from lmserve_core.testing.gguf_writer import (
-    WRITER_VERSION,
-    StreamingWriter,
-    atomic_output,
-    looks_special,
-)
+from lmserve_core.testing.gguf_writer import atomic_output, looks_special
+from lmserve_core.testing.synthetic import FILE_TYPES, SyntheticModel
+from lmserve_core.testing.synthetic import gguf_state as gguf_state  # test_gemma_synthetic.py
 
 T = GGMLQuantizationType
 
@@ -95,14 +89,6 @@ T = GGMLQuantizationType
 SCRIPT_VERSION = "1"
 
 KINDS = ("gemma3", "gemma3-softcap", "gemma4", "gemma4-kvshared", "gemma4-ple", "gemma4-moe")
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
-FILE_TYPES = {
-    "f32": LlamaFileType.ALL_F32,
-    "f16": LlamaFileType.MOSTLY_F16,
-    "bf16": LlamaFileType.MOSTLY_BF16,
-    "q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
-}
 N_VOCAB = 262_144  # Gemma 3's and Gemma 4's embedding rows
 
 HERE = Path(__file__).resolve().parent
@@ -353,18 +339,11 @@ def tensor_shapes(kind: str, g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def parameter_count(kind: str, g: Geometry) -> int:
-    return sum(int(np.prod(shape)) for _, shape in tensor_shapes(kind, g))
-
-
 def tensor_type(name: str, shape: tuple[int, ...], type_name: str, g: Geometry) -> T:
-    """The GGML type of ``name`` in a file of type ``type_name``."""
-    if len(shape) == 1 or ".ffn_gate_inp." in name:
-        return T.F32
-    if type_name == "q4_k_m":
-        return kquants.q4_k_m_type(name, shape, g.n_layer, g.n_expert, tied=True)
-    qtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}[type_name]
-    return kquants.fit_row_length(qtype, shape[-1])
+    """The GGML type of ``name`` in a file of type ``type_name`` (the output is tied)."""
+    return shared.tensor_type(
+        name, shape, type_name, n_layer=g.n_layer, n_expert=g.n_expert, tied=True
+    )
 
 
 def rope_freqs(g: Geometry) -> np.ndarray:
@@ -849,21 +828,6 @@ def load_gguf_weights(kind: str, model: Any, stored: dict[str, np.ndarray]) -> N
             param.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
 
 
-def gguf_state(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a GGUF decoded to f32 by the ``gguf`` package (numpy shapes)."""
-    from gguf.quants import dequantize
-
-    from lmserve_core.gguf_file import GGUFFile
-
-    out = {}
-    with GGUFFile.open(path) as gguf:
-        for name, t in gguf.tensors.items():
-            rows = np.asarray(t.data).reshape(-1, t.row_bytes)
-            values = dequantize(rows, T(t.ggml_type)).reshape(t.shape)
-            out[name] = values.astype(np.float32)  # a copy, off the mapping
-    return out
-
-
 @functools.lru_cache(maxsize=4)
 def hf_tokenizer(path: Path) -> Any:
     """The ``tokenizers`` tokenizer of ``path/tokenizer.json`` (loaded once)."""
@@ -888,14 +852,7 @@ def logit_stats(model: Any, ids: list[int]) -> dict[str, float]:
 
     with torch.no_grad():
         logits = model(torch.tensor([ids]), use_cache=False).logits[0].double().numpy()
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    return {
-        "tokens": len(ids),
-        "std": float(logits.std(axis=-1).mean()),
-        "max_abs": float(np.abs(logits).max()),
-        "top1_minus_top2_mean": float((top2[:, 1] - top2[:, 0]).mean()),
-        "top1_minus_top2_min": float((top2[:, 1] - top2[:, 0]).min()),
-    }
+    return shared.logit_stats(logits)
 
 
 def greedy(model: Any, ids: list[int], n: int = N_GREEDY) -> tuple[list[int], list[float]]:
@@ -920,56 +877,24 @@ def greedy(model: Any, ids: list[int], n: int = N_GREEDY) -> tuple[list[int], li
 # ------------------------------------------------------------------ writing
 
 
-def _write(
-    path: Path,
-    kind: str,
-    size: str,
-    type_name: str,
-    g: Geometry,
-    weights: Iterator[tuple[str, np.ndarray]],
-) -> dict[str, np.ndarray]:
-    writer = StreamingWriter(path, family(kind))
-    add_metadata(writer.writer, kind, g, type_name, f"{size} {type_name}")
-    shapes = tensor_shapes(kind, g)
-    for name, shape in shapes:
-        writer.plan(name, shape, tensor_type(name, shape, type_name, g))
-    writer.begin()
-    stored: dict[str, np.ndarray] = {}
-    for (want, _), (name, array) in zip(shapes, weights, strict=True):
-        if name != want:
-            raise ValueError(f"expected {want}, got {name}")
-        decoded = writer.write(name, array, dequantized=True)
-        assert decoded is not None
-        stored[name] = decoded
-    writer.close()
-    return stored
-
-
 def write_hf_model(
     out_dir: Path, kind: str, size: str, type_name: str, seed: int = 0
 ) -> dict[str, Any]:
     """``out_dir/model.gguf`` + ``out_dir/hf`` (the transformers model of the stored weights)."""
     g = GEOMETRIES[(kind, size)]
     model = build_hf_model(kind, g, seed)
-    weights = gguf_tensors(kind, g, model)
-    shapes = tensor_shapes(kind, g)
-    if set(weights) != {name for name, _ in shapes}:
-        raise ValueError(f"tensor set mismatch: {sorted(set(weights) ^ {n for n, _ in shapes})}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stored = _write(
-        out_dir / "model.gguf",
+    tok_dir = family_tokenizer_dir(family(kind))
+    shared.write_hf_model(
+        out_dir,
+        GEMMA,
         kind,
         size,
         type_name,
-        g,
-        ((name, weights[name]) for name, _ in shapes),
+        model,
+        gguf_tensors(kind, g, model),
+        functools.partial(load_gguf_weights, kind, model),
+        tok_dir,
     )
-    load_gguf_weights(kind, model, stored)
-    hf_dir = out_dir / "hf"
-    model.save_pretrained(hf_dir)
-    tok_dir = family_tokenizer_dir(family(kind))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tok_dir / name, hf_dir / name)
     ids = prompt_ids(kind, tok_dir)
     tokens, margins = greedy(model, ids)
     return {
@@ -977,57 +902,6 @@ def write_hf_model(
         "logits": logit_stats(model, ids),
         "greedy": {"tokens": tokens, "top1_minus_top2_min": min(margins)},
     }
-
-
-# ------------------------------------------------------------------ cache
-
-
-class SyntheticModel(NamedTuple):
-    """Unpacks as ``(gguf_path, hf_dir)``."""
-
-    gguf: Path
-    hf_dir: Path
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        """Spec, geometry, parameter count, tensor types, special tokens and logit spread."""
-        meta: dict[str, Any] = json.loads((self.gguf.parent / "meta.json").read_text())
-        return meta
-
-    def load_hf(self) -> Any:
-        """The transformers model holding exactly the GGUF's stored weights (float32, eval)."""
-        import torch
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32)
-        return model.eval()
-
-
-def cache_key(kind: str, size: str, type_name: str, seed: int) -> str:
-    spec = {
-        "script": SCRIPT_VERSION,
-        "writer": WRITER_VERSION,
-        "tokenizer": TOKENIZERS["gemma3"].spec,
-        "template": _template_hash(
-            GEMMA3_TEMPLATE if family(kind) == "gemma3" else GEMMA4_TEMPLATE
-        ),
-        "kind": kind,
-        "size": size,
-        "type": type_name,
-        "seed": seed,
-        "geometry": dataclasses.asdict(GEOMETRIES[(kind, size)]),
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _check(kind: str, size: str, type_name: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
-    if (kind, size) not in GEOMETRIES:
-        sizes = sorted(s for k, s in GEOMETRIES if k == kind)
-        raise ValueError(f"no {kind} size {size!r}; sizes: {sizes}")
-    if type_name not in TYPES:
-        raise ValueError(f"type must be one of {TYPES}, not {type_name!r}")
 
 
 def special_tokens(kind: str) -> dict[str, int]:
@@ -1042,91 +916,58 @@ def special_tokens(kind: str) -> dict[str, int]:
     }
 
 
-def build(out_dir: Path, kind: str, size: str, type_name: str, seed: int = 0) -> dict[str, Any]:
-    """Write ``model.gguf``, ``meta.json`` and ``hf/`` into ``out_dir``."""
-    _check(kind, size, type_name)
-    g = GEOMETRIES[(kind, size)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+def _write(out_dir: Path, kind: str, size: str, type_name: str, seed: int) -> dict[str, Any]:
     extra = write_hf_model(out_dir, kind, size, type_name, seed)
-    types: dict[str, int] = {}
-    for name, shape in tensor_shapes(kind, g):
-        qname = tensor_type(name, shape, type_name, g).name
-        types[qname] = types.get(qname, 0) + 1
-    vocab = family_vocab(family(kind))
-    meta = {
-        "kind": kind,
+    return {
         "family": family(kind),
-        "size": size,
-        "type": type_name,
-        "seed": seed,
-        "geometry": dataclasses.asdict(g),
-        "parameters": parameter_count(kind, g),
-        "tensor_types": types,
         "special_tokens": special_tokens(kind),
-        "token_ids": vocab.special_ids,
-        "file_bytes": (out_dir / "model.gguf").stat().st_size,
-        "seconds": round(time.perf_counter() - start, 2),
+        "token_ids": family_vocab(family(kind)).special_ids,
         **extra,
     }
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
+
+
+def _cache_spec(kind: str) -> dict[str, Any]:
+    template = GEMMA3_TEMPLATE if family(kind) == "gemma3" else GEMMA4_TEMPLATE
+    return {"tokenizer": TOKENIZERS["gemma3"].spec, "template": _template_hash(template)}
+
+
+GEMMA = shared.SyntheticFamily(
+    name="gemma",
+    version=SCRIPT_VERSION,
+    kinds=KINDS,
+    geometries=GEOMETRIES,
+    hf_sizes=SIZES,
+    arch=family,
+    tensor_shapes=tensor_shapes,
+    tensor_type=tensor_type,
+    add_metadata=add_metadata,
+    write=_write,
+    cache_spec=_cache_spec,
+)
 
 
 def synthetic_model(
     kind: str = "gemma3", type: str = "f32", size: str = "tiny", seed: int = 0
 ) -> SyntheticModel:
     """The cached synthetic model (written on first use): ``(gguf_path, hf_dir)``."""
-    _check(kind, size, type)
-    folder = cache_dir() / "gemma-synthetic" / f"{kind}-{size}-{type}-s{seed}-"
-    folder = folder.with_name(folder.name + cache_key(kind, size, type, seed))
-    if not (folder / "meta.json").is_file():
-        with atomic_output(folder) as tmp:
-            build(tmp, kind, size, type, seed)
-    return SyntheticModel(folder / "model.gguf", folder / "hf")
+    return shared.synthetic_model(GEMMA, kind, type, size, seed)
 
 
 # ------------------------------------------------------------------ command line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return shared.main(
+        GEMMA,
+        argv,
         description="Write a synthetic Gemma 3 / Gemma 4 GGUF (random weights, real tokenizer) "
         "and the transformers model of its stored weights.",
+        default_kind=lambda size: "gemma3",
+        kind_help="default: gemma3",
+        sizes=SIZES,
+        size_help="default: tiny",
+        out_help="write the GGUF here (and OUT.hf/) instead of into the cache",
     )
-    parser.add_argument("--kind", default="gemma3", choices=KINDS, help="default: gemma3")
-    parser.add_argument("--size", default="tiny", choices=SIZES, help="default: tiny")
-    parser.add_argument("--type", default="f32", choices=TYPES, help="tensor types (default: f32)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out", type=Path, help="write the GGUF here (and OUT.hf/) instead of into the cache"
-    )
-    args = parser.parse_args(argv)
-    _check(args.kind, args.size, args.type)
-    g = GEOMETRIES[(args.kind, args.size)]
-    print(
-        f"{args.kind} {args.size} {args.type}: {parameter_count(args.kind, g) / 1e6:.1f}M "
-        "parameters"
-    )
-    if args.out is None:
-        result = synthetic_model(args.kind, args.type, args.size, args.seed)
-        path, meta = result.gguf, result.meta
-    else:
-        out: Path = args.out.resolve()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-            meta = build(Path(tmp), args.kind, args.size, args.type, args.seed)
-            (Path(tmp) / "model.gguf").replace(out)
-            hf = out.with_name(out.name + ".hf")
-            shutil.rmtree(hf, ignore_errors=True)
-            (Path(tmp) / "hf").rename(hf)
-            print(f"transformers model: {hf}")
-        path = out
-    print(f"{path}: {meta['file_bytes'] / 1e6:.1f} MB in {meta['seconds']} s")
-    print(f"tensor types: {meta['tensor_types']}")
-    print(f"logits: {meta['logits']}")
-    print(f"greedy: {meta['greedy']}")
-    return 0
 
 
 if __name__ == "__main__":

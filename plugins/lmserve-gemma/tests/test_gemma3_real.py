@@ -29,7 +29,7 @@ from lmserve_core.testing.numerics import (  # noqa: E402
     check_batched_decode,
     check_int16_decode,
     chunk_nll,
-    f32_products,
+    f32_reference_path,  # noqa: F401 (an autouse fixture: f32 activations throughout)
     gguf_reference,
     greedy,
     int16_perplexity_gap,
@@ -40,13 +40,6 @@ from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
-
-@pytest.fixture(autouse=True)
-def _f32_products() -> Iterator[None]:
-    # The reference path: f32 activations in every product. The served default, int16
-    # activations in decode's products, has its own tests.
-    with f32_products():
-        yield
 
 ROOT = Path(__file__).resolve().parents[3]
 PERPLEXITY_DATA = ROOT / "tests" / "data" / "perplexity"

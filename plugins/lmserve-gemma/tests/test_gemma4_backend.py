@@ -15,6 +15,12 @@ from lmserve_gemma.gemma4_tools import GEMMA4_TOOLS
 
 from lmserve_core.backend import ServerSettings
 from lmserve_core.plugins import backend_for_architecture
+from lmserve_core.testing.serving import (
+    record_prompts,
+    reference_prompt,
+    reference_tokenizer,
+    serve,
+)
 from lmserve_core.tokenizer import TokenizerError
 
 SCHEMAS = {
@@ -93,12 +99,6 @@ class Served:
 @pytest.fixture(scope="module")
 def served(synthetic: Any) -> Iterator[Served]:
     pytest.importorskip("litestar")
-    from litestar.testing import TestClient
-
-    from lmserve_core.app import create_app
-    from lmserve_core.engine import Engine
-    from lmserve_core.server import Server
-
     path, _ = synthetic(kind="gemma4", type="q8_0")
     settings = ServerSettings(ctx=1024, threads=2)
     try:
@@ -107,23 +107,9 @@ def served(synthetic: Any) -> Iterator[Served]:
         if "gemma4" not in str(exc):
             raise
         pytest.skip(f"the core tokenizer does not read Gemma 4's vocabulary yet: {exc}")
-    prompts: list[tuple[str, list[int]]] = []
-    render = backend._prompt_tokens
-
-    def recording(request: Any) -> tuple[list[int], str | None]:
-        tokens, text = render(request)
-        prompts.append((text or "", list(tokens)))
-        return tokens, text
-
-    backend._prompt_tokens = recording
-    engine = Engine(backend)
-    app = create_app(Server(engine=engine, settings=settings))
-    try:
-        with TestClient(app) as client:
-            yield Served(http=client, backend=backend, prompts=prompts)
-    finally:
-        engine.stop()
-        backend.close()
+    prompts = record_prompts(backend)
+    with serve(backend, settings) as client:
+        yield Served(http=client, backend=backend, prompts=prompts)
 
 
 @pytest.fixture
@@ -134,9 +120,7 @@ def srv(served: Served) -> Served:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(synthetic: Any) -> Any:
-    transformers = pytest.importorskip("transformers")
-    _, hf_dir = synthetic(kind="gemma4", type="q8_0")
-    return transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return reference_tokenizer(synthetic(kind="gemma4", type="q8_0").hf_dir)
 
 
 def chat_tool(name: str) -> dict[str, Any]:
@@ -210,12 +194,11 @@ def test_prompt_tokens_are_what_transformers_renders(
     assert reply.status_code == 200, reply.text
     ((text, tokens),) = srv.prompts
 
-    expected = hf_tokenizer.apply_chat_template(
+    expected = reference_prompt(
+        hf_tokenizer,
         conversation(history, reference=True),
         tools=[chat_tool(name) for name in names] if tools else None,
-        enable_thinking=thinking,
-        add_generation_prompt=True,
-        tokenize=False,
+        thinking=thinking,
     )
     if history == "loop":
         # the template closed the calling turn after its results: the model's turn is opened

@@ -41,20 +41,16 @@ from transformers.models.gemma4 import modeling_gemma4  # noqa: E402
 from lmserve_core.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from lmserve_core.testing.numerics import (  # noqa: E402
     check_batched_decode,
-    f32_products,
+    f32_reference_path,  # noqa: F401 (an autouse fixture: f32 activations throughout)
     greedy,
+    one_torch_thread,  # noqa: F401 (an autouse fixture: torch on one thread)
     reference_greedy,
+    reference_loader,
+    stepped_logits,
 )
 
 pytestmark = pytest.mark.reference
 
-
-@pytest.fixture(autouse=True)
-def _f32_products() -> Iterator[None]:
-    # The reference path: f32 activations in every product. The served default, int16
-    # activations in decode's products, has its own tests.
-    with f32_products():
-        yield
 
 TEXT = Path(__file__).resolve().parents[3] / "tests" / "data" / "perplexity" / "text.txt"
 
@@ -158,20 +154,7 @@ class Reference:
         return model.forward(model.new_cache(len(ids)), ids, 0, all_logits=True)
 
 
-_loaded: dict[tuple[str, str], Reference] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> None:
-    # torch's OpenMP barriers stall on a busy 2-core machine; one thread is steadier
-    torch.set_num_threads(1)
-
-
-def reference(synthetic: Any, kind: str, type: str = "f32") -> Reference:
-    key = (kind, type)
-    if key not in _loaded:
-        _loaded[key] = Reference(synthetic(kind=kind, type=type))
-    return _loaded[key]
+reference = reference_loader(lambda kind, model: Reference(model))
 
 
 # ---------------------------------------------------------------------------- the model
@@ -280,8 +263,7 @@ def test_prefill_equals_token_by_token_decode(kind: str, synthetic: Any) -> None
     ref = reference(synthetic, kind)
     ids = ref.ids(PROMPTS[3] + PROMPTS[1])
     batched = ref.mine(ids)
-    cache = ref.ours.new_cache(len(ids))
-    stepped = np.stack([ref.ours.forward(cache, [t], pos) for pos, t in enumerate(ids)])
+    stepped = stepped_logits(ref.ours, ids)
     diff = float(np.abs(batched - stepped).max())
     print(f"{kind}: prefill vs decode over {len(ids)} tokens: max |diff| {diff:.3g}")
     assert diff <= PATHS_ATOL

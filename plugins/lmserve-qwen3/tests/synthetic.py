@@ -24,7 +24,9 @@ In tests::
     model = synthetic_model("qwen3", "f32").load_hf()          # transformers, eval mode
 
 Models are cached under ``$LMSERVE_TEST_CACHE`` (default ``~/.cache/lmserve-test-assets``),
-keyed by a hash of the spec and this script's version; writes are atomic.
+keyed by a hash of the spec and this script's version; writes are atomic. Writing, caching
+and the command line are :mod:`lmserve_core.testing.synthetic`'s, which this module
+describes the Qwen3 models to (:data:`QWEN3`).
 
 As a script::
 
@@ -34,33 +36,21 @@ As a script::
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import hashlib
-import json
-import shutil
+import functools
 import sys
-import tempfile
-import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, LlamaFileType
+from gguf import GGMLQuantizationType
 
-from lmserve_core.testing import kquants
-from lmserve_core.testing.assets import TOKENIZERS, cache_dir, tokenizer_dir
-from lmserve_core.testing.gguf_writer import (
-    FAMILIES,
-    WRITER_VERSION,
-    StreamingWriter,
-    add_bpe_tokenizer,
-    atomic_output,
-    family_vocab,
-)
+from lmserve_core.testing import synthetic as shared
+from lmserve_core.testing.assets import TOKENIZERS, tokenizer_dir
+from lmserve_core.testing.gguf_writer import FAMILIES, add_bpe_tokenizer, family_vocab
+from lmserve_core.testing.synthetic import FILE_TYPES, SyntheticModel
 
 T = GGMLQuantizationType
 
@@ -68,14 +58,6 @@ T = GGMLQuantizationType
 SCRIPT_VERSION = "1"
 
 KINDS = ("qwen3", "qwen3moe")
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
-FILE_TYPES = {
-    "f32": LlamaFileType.ALL_F32,
-    "f16": LlamaFileType.MOSTLY_F16,
-    "bf16": LlamaFileType.MOSTLY_BF16,
-    "q8_0": LlamaFileType.MOSTLY_Q8_0,
-    "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
-}
 VOCAB = FAMILIES["qwen3"]
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -170,18 +152,11 @@ def tensor_shapes(kind: str, g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def parameter_count(kind: str, g: Geometry) -> int:
-    return sum(int(np.prod(shape)) for _, shape in tensor_shapes(kind, g))
-
-
 def tensor_type(name: str, shape: tuple[int, ...], type_name: str, g: Geometry) -> T:
     """The GGML type of ``name`` in a file of type ``type_name``."""
-    if len(shape) == 1 or ".ffn_gate_inp." in name:
-        return T.F32
-    if type_name == "q4_k_m":
-        return kquants.q4_k_m_type(name, shape, g.n_layer, g.n_expert, g.tied)
-    qtype = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}[type_name]
-    return kquants.fit_row_length(qtype, shape[-1])
+    return shared.tensor_type(
+        name, shape, type_name, n_layer=g.n_layer, n_expert=g.n_expert, tied=g.tied
+    )
 
 
 def add_metadata(writer: Any, kind: str, g: Geometry, type_name: str, label: str) -> None:
@@ -354,18 +329,6 @@ def load_gguf_weights(model: Any, stored: dict[str, np.ndarray]) -> None:
             put(f"model.layers.{layer}.{reverse[rest]}", value)
 
 
-def gguf_state(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a GGUF decoded to f32 by the ``gguf`` package (numpy shapes)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    out = {}
-    for t in GGUFReader(str(path)).tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        out[t.name] = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-    return out
-
-
 def logit_stats(model: Any) -> dict[str, float]:
     """Spread of the model's logits over the chat-formatted PROMPT."""
     import tokenizers
@@ -375,45 +338,10 @@ def logit_stats(model: Any) -> dict[str, float]:
     ids = tok.encode(PROMPT, add_special_tokens=False).ids
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].double().numpy()
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    return {
-        "tokens": len(ids),
-        "std": float(logits.std(axis=-1).mean()),
-        "max_abs": float(np.abs(logits).max()),
-        "top1_minus_top2_mean": float((top2[:, 1] - top2[:, 0]).mean()),
-        "top1_minus_top2_min": float((top2[:, 1] - top2[:, 0]).min()),
-    }
+    return shared.logit_stats(logits)
 
 
 # ------------------------------------------------------------------ writing
-
-
-def _write(
-    path: Path,
-    kind: str,
-    size: str,
-    type_name: str,
-    g: Geometry,
-    weights: Iterator[tuple[str, np.ndarray]],
-    *,
-    keep: bool,
-    fast: bool = False,
-) -> dict[str, np.ndarray]:
-    writer = StreamingWriter(path, kind)
-    add_metadata(writer.writer, kind, g, type_name, f"{size} {type_name}")
-    shapes = tensor_shapes(kind, g)
-    for name, shape in shapes:
-        writer.plan(name, shape, tensor_type(name, shape, type_name, g))
-    writer.begin()
-    stored: dict[str, np.ndarray] = {}
-    for (want, _), (name, array) in zip(shapes, weights, strict=True):
-        if name != want:
-            raise ValueError(f"expected {want}, got {name}")
-        decoded = writer.write(name, array, dequantized=keep, fast=fast)
-        if decoded is not None:
-            stored[name] = decoded
-    writer.close()
-    return stored
 
 
 def _random_weights(kind: str, g: Geometry, seed: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -431,25 +359,18 @@ def write_hf_model(
     out_dir: Path, kind: str, size: str, type_name: str, seed: int = 0
 ) -> dict[str, Any]:
     """``out_dir/model.gguf`` + ``out_dir/hf`` (the transformers model of the stored weights)."""
-    g = GEOMETRIES[(kind, size)]
-    model = build_hf_model(kind, g, seed)
-    weights = gguf_tensors(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stored = _write(
-        out_dir / "model.gguf",
+    model = build_hf_model(kind, GEOMETRIES[(kind, size)], seed)
+    shared.write_hf_model(
+        out_dir,
+        QWEN3,
         kind,
         size,
         type_name,
-        g,
-        ((name, weights[name]) for name, _ in tensor_shapes(kind, g)),
-        keep=True,
+        model,
+        gguf_tensors(model),
+        functools.partial(load_gguf_weights, model),
+        tokenizer_dir("qwen3"),
     )
-    load_gguf_weights(model, stored)
-    hf_dir = out_dir / "hf"
-    model.save_pretrained(hf_dir)
-    tok_dir = tokenizer_dir("qwen3")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tok_dir / name, hf_dir / name)
     return {"logits": logit_stats(model)}
 
 
@@ -457,151 +378,54 @@ def write_numpy_model(
     path: Path, kind: str, size: str, type_name: str, seed: int = 0
 ) -> dict[str, Any]:
     """A benchmark GGUF of random weights, generated and written one tensor at a time."""
-    g = GEOMETRIES[(kind, size)]
-    _write(path, kind, size, type_name, g, _random_weights(kind, g, seed), keep=False, fast=True)
+    weights = _random_weights(kind, GEOMETRIES[(kind, size)], seed)
+    shared.write_gguf(path, QWEN3, kind, size, type_name, weights, keep=False, fast=True)
     return {}
 
 
-# ------------------------------------------------------------------ cache
-
-
-class SyntheticModel(NamedTuple):
-    """Unpacks as ``(gguf_path, hf_dir)``; ``hf_dir`` is None for the numpy-built sizes."""
-
-    gguf: Path
-    hf_dir: Path | None
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        """Spec, geometry, parameter count, tensor types and logit spread."""
-        meta: dict[str, Any] = json.loads((self.gguf.parent / "meta.json").read_text())
-        return meta
-
-    def load_hf(self) -> Any:
-        """The transformers model holding exactly the GGUF's stored weights (float32, eval)."""
-        import torch
-        import transformers
-
-        if self.hf_dir is None:
-            raise ValueError(f"{self.gguf} was written without a transformers model")
-        model = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32)
-        return model.eval()
-
-
-def cache_key(kind: str, size: str, type_name: str, seed: int) -> str:
-    spec = {
-        "script": SCRIPT_VERSION,
-        "writer": WRITER_VERSION,
-        "tokenizer": TOKENIZERS["qwen3"].spec,
-        "kind": kind,
-        "size": size,
-        "type": type_name,
-        "seed": seed,
-        "geometry": dataclasses.asdict(GEOMETRIES[(kind, size)]),
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _check(kind: str, size: str, type_name: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
-    if (kind, size) not in GEOMETRIES:
-        sizes = sorted(s for k, s in GEOMETRIES if k == kind)
-        raise ValueError(f"no {kind} size {size!r}; sizes: {sizes}")
-    if type_name not in TYPES:
-        raise ValueError(f"type must be one of {TYPES}, not {type_name!r}")
-
-
-def build(out_dir: Path, kind: str, size: str, type_name: str, seed: int = 0) -> dict[str, Any]:
-    """Write ``model.gguf``, ``meta.json`` and (transformers sizes) ``hf/`` into ``out_dir``."""
-    _check(kind, size, type_name)
-    g = GEOMETRIES[(kind, size)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+def _write(out_dir: Path, kind: str, size: str, type_name: str, seed: int) -> dict[str, Any]:
     if size in HF_SIZES:
-        extra = write_hf_model(out_dir, kind, size, type_name, seed)
-    else:
-        extra = write_numpy_model(out_dir / "model.gguf", kind, size, type_name, seed)
-    types: dict[str, int] = {}
-    for name, shape in tensor_shapes(kind, g):
-        qname = tensor_type(name, shape, type_name, g).name
-        types[qname] = types.get(qname, 0) + 1
-    meta = {
-        "kind": kind,
-        "size": size,
-        "type": type_name,
-        "seed": seed,
-        "geometry": dataclasses.asdict(g),
-        "parameters": parameter_count(kind, g),
-        "tensor_types": types,
-        "file_bytes": (out_dir / "model.gguf").stat().st_size,
-        "seconds": round(time.perf_counter() - start, 2),
-        **extra,
-    }
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
+        return write_hf_model(out_dir, kind, size, type_name, seed)
+    return write_numpy_model(out_dir / "model.gguf", kind, size, type_name, seed)
+
+
+QWEN3 = shared.SyntheticFamily(
+    name="qwen3",
+    version=SCRIPT_VERSION,
+    kinds=KINDS,
+    geometries=GEOMETRIES,
+    hf_sizes=HF_SIZES,
+    arch=lambda kind: kind,
+    tensor_shapes=tensor_shapes,
+    tensor_type=tensor_type,
+    add_metadata=add_metadata,
+    write=_write,
+    cache_spec=lambda kind: {"tokenizer": TOKENIZERS["qwen3"].spec},
+)
 
 
 def synthetic_model(
     kind: str = "qwen3", type: str = "f32", size: str = "tiny", seed: int = 0
 ) -> SyntheticModel:
     """The cached synthetic model (written on first use): ``(gguf_path, hf_dir)``."""
-    _check(kind, size, type)
-    folder = cache_dir() / "qwen3-synthetic" / f"{kind}-{size}-{type}-s{seed}-"
-    folder = folder.with_name(folder.name + cache_key(kind, size, type, seed))
-    if not (folder / "meta.json").is_file():
-        with atomic_output(folder) as tmp:
-            build(tmp, kind, size, type, seed)
-    return SyntheticModel(folder / "model.gguf", folder / "hf" if size in HF_SIZES else None)
+    return shared.synthetic_model(QWEN3, kind, type, size, seed)
 
 
 # ------------------------------------------------------------------ command line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return shared.main(
+        QWEN3,
+        argv,
         description="Write a synthetic Qwen3 / Qwen3-MoE GGUF (random weights, real tokenizer).",
-    )
-    parser.add_argument("--kind", choices=KINDS, help="default: the one the size exists for")
-    parser.add_argument(
-        "--size",
-        default="tiny",
-        choices=sorted({s for _, s in GEOMETRIES}),
-        help="tiny/small: via transformers, with a reference model; 0.6b (qwen3), "
+        default_kind=lambda size: "qwen3" if size in HF_SIZES else default_kind(size),
+        kind_help="default: the one the size exists for",
+        sizes=sorted({s for _, s in GEOMETRIES}),
+        size_help="tiny/small: via transformers, with a reference model; 0.6b (qwen3), "
         "moe-1b (qwen3moe): benchmark geometries from numpy (default: tiny)",
+        out_help="write the GGUF here (tiny/small also write OUT.hf/) instead of into the cache",
     )
-    parser.add_argument("--type", default="f32", choices=TYPES, help="tensor types (default: f32)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="write the GGUF here (tiny/small also write OUT.hf/) instead of into the cache",
-    )
-    args = parser.parse_args(argv)
-    kind = args.kind or ("qwen3" if args.size in HF_SIZES else default_kind(args.size))
-    _check(kind, args.size, args.type)
-    g = GEOMETRIES[(kind, args.size)]
-    print(f"{kind} {args.size} {args.type}: {parameter_count(kind, g) / 1e6:.1f}M parameters")
-    if args.out is None:
-        result = synthetic_model(kind, args.type, args.size, args.seed)
-        path, meta = result.gguf, result.meta
-    else:
-        out: Path = args.out.resolve()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-            meta = build(Path(tmp), kind, args.size, args.type, args.seed)
-            (Path(tmp) / "model.gguf").replace(out)
-            if (Path(tmp) / "hf").is_dir():
-                hf = out.with_name(out.name + ".hf")
-                shutil.rmtree(hf, ignore_errors=True)
-                (Path(tmp) / "hf").rename(hf)
-                print(f"transformers model: {hf}")
-        path = out
-    print(f"{path}: {meta['file_bytes'] / 1e6:.1f} MB in {meta['seconds']} s")
-    print(f"tensor types: {meta['tensor_types']}")
-    if "logits" in meta:
-        print(f"logits: {meta['logits']}")
-    return 0
 
 
 if __name__ == "__main__":

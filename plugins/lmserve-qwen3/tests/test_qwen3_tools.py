@@ -18,6 +18,12 @@ import numpy as np
 import pytest
 
 from lmserve_core.backend import ServerSettings
+from lmserve_core.testing.serving import (
+    record_prompts,
+    reference_prompt,
+    reference_tokenizer,
+    serve,
+)
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -216,51 +222,28 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(synthetic: Any) -> Iterator[Served]:
-    from litestar.testing import TestClient
     from lmserve_qwen3.plugin import create_backend
-
-    from lmserve_core.app import create_app
-    from lmserve_core.engine import Engine
-    from lmserve_core.server import Server
 
     path, _ = synthetic(kind="qwen3", type="q8_0")
     settings = ServerSettings(ctx=2048, threads=2)
     backend = create_backend(str(path), settings)
     steer = Steer(backend)
-    prompts: list[tuple[str, list[int]]] = []
-    render = backend._prompt_tokens
-
-    def recording(request: Any) -> tuple[list[int], str | None]:
-        tokens, text = render(request)
-        prompts.append((text or "", list(tokens)))
-        return tokens, text
-
-    backend._prompt_tokens = recording
-    engine = Engine(backend)
-    app = create_app(Server(engine=engine, settings=settings))
-    bridge = None
-    try:
-        with TestClient(app) as client:
-            bridge = httpx2.Client(transport=_Bridge(client))
-            yield Served(
-                http=client,
-                steer=steer,
-                prompts=prompts,
-                openai=openai.OpenAI(
-                    base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0
-                ),
-                anthropic=anthropic.Anthropic(
-                    base_url="http://testserver",
-                    api_key="x",
-                    http_client=bridge,
-                    max_retries=0,
-                ),
-            )
-    finally:
-        if bridge is not None:
-            bridge.close()
-        engine.stop()
-        backend.close()
+    prompts = record_prompts(backend)
+    with serve(backend, settings) as client, httpx2.Client(transport=_Bridge(client)) as bridge:
+        yield Served(
+            http=client,
+            steer=steer,
+            prompts=prompts,
+            openai=openai.OpenAI(
+                base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0
+            ),
+            anthropic=anthropic.Anthropic(
+                base_url="http://testserver",
+                api_key="x",
+                http_client=bridge,
+                max_retries=0,
+            ),
+        )
 
 
 @pytest.fixture
@@ -272,9 +255,7 @@ def srv(served: Served) -> Served:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(synthetic: Any) -> Any:
-    transformers = pytest.importorskip("transformers")
-    _, hf_dir = synthetic(kind="qwen3", type="q8_0")
-    return transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return reference_tokenizer(synthetic(kind="qwen3", type="q8_0").hf_dir)
 
 
 # ---------------------------------------------------------------------------- request bodies
@@ -699,12 +680,11 @@ def test_prompt_with_tool_history_is_what_transformers_renders(
 ) -> None:
     srv.post(dialect, history_body(dialect, switch, on, loop))
     ((text, tokens),) = srv.prompts
-    expected = hf_tokenizer.apply_chat_template(
+    expected = reference_prompt(
+        hf_tokenizer,
         reference_messages(dialect, loop),
         tools=[chat_tool(name) for name in SCHEMAS],
-        enable_thinking=on,
-        add_generation_prompt=True,
-        tokenize=False,
+        thinking=on,
     )
     assert text == expected
     assert tokens == hf_tokenizer.encode(expected, add_special_tokens=False)
