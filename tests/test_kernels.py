@@ -325,11 +325,20 @@ def test_quantize_x16_marks_non_finite_groups() -> None:
 BLOCK_TYPES = [t for t in ALL_TYPES if K.block_elems(t) > 1]
 
 
+def wide_cols(qtype: QT) -> int:
+    """A row of more than 64 groups of 32 whose count is not a multiple of 8 where the block
+    allows it: the SIMD products prepare group factors 64 groups at a time, 8 per vector."""
+    return 2304 if K.block_elems(qtype) == 256 else 2336
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["1024", "wide"])
 @pytest.mark.parametrize("isa", [K.Isa.PORTABLE, *SIMD_ISAS], ids=lambda i: i.name)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_vec_dot_i16_within_the_activations_rounding(qtype: QT, isa: K.Isa, rng) -> None:
+def test_vec_dot_i16_within_the_activations_rounding(
+    qtype: QT, isa: K.Isa, wide: bool, rng
+) -> None:
     require(isa)
-    cols = 1024
+    cols = wide_cols(qtype) if wide else 1024
     raw = make_rows(qtype, 8, cols, rng)
     ref = reference(qtype, raw, cols).astype(np.float64)
     # groups of very different sizes: each has its own step
@@ -354,12 +363,13 @@ def test_vec_dot_i16_refuses_element_types() -> None:
         K.vec_dot_i16(QT.F16, np.zeros(64, np.uint8), np.ones(32, np.float32))
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["512", "wide"])
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_i16_rows_do_not_depend_on_the_batch_or_the_threads(qtype: QT, rng) -> None:
+def test_i16_rows_do_not_depend_on_the_batch_or_the_threads(qtype: QT, wide: bool, rng) -> None:
     """A token's products are the same alone, in a batch of any size or at any thread count
     (what lets a batched decode give the outputs of sequential ones)."""
     K.select_decode_precision(K.DecodePrecision.I16)
-    cols, rows = 512, 83
+    cols, rows = (wide_cols(qtype) if wide else 512), 83
     raw = make_rows(qtype, rows, cols, rng)
     x = rng.standard_normal((13, cols), dtype=np.float32)
     alone = np.stack([K.matmul(qtype, raw, rows, cols, x[t : t + 1])[0] for t in range(13)])

@@ -277,7 +277,9 @@ typedef struct {
  * d = NaN, so every product with it is NaN as in f32. q and d are bit-identical on every
  * ISA (the sums may round differently). */
 typedef void (*lm_quant_x16_fn)(const float *x, int64_t n, int16_t *q, float *ds);
-/* out[t * ldo] = dot(row, token t0 + t of x) for t < nt (1..4), integer products per group. */
+/* out[t * ldo] = dot(row, token t0 + t of x) for t < nt (1..LM_DOTQ_TOKENS), integer products
+ * per group: each weight group is unpacked once for all nt tokens. */
+#define LM_DOTQ_TOKENS 8
 typedef void (*lm_dotq_fn)(const void *row, const lm_xq *x, int64_t t0, int nt, float *out,
                            int64_t ldo);
 /* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */

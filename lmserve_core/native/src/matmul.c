@@ -69,8 +69,9 @@ void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t
             __builtin_prefetch(p, 0, 3);
         }
         if (dotq != NULL) {
-            for (int64_t t = 0; t < ntok; t += 4) {
-                dotq(row, xq, t, (int)(ntok - t < 4 ? ntok - t : 4), y + t * rows + r, rows);
+            for (int64_t t = 0; t < ntok; t += LM_DOTQ_TOKENS) {
+                const int64_t nt = ntok - t < LM_DOTQ_TOKENS ? ntok - t : LM_DOTQ_TOKENS;
+                dotq(row, xq, t, (int)nt, y + t * rows + r, rows);
             }
         } else if (ntok == 1 || dotn == NULL) {
             for (int64_t t = 0; t < ntok; t++) {

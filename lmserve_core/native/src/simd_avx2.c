@@ -265,7 +265,7 @@ T256 static inline float y_grp_q8_0(const block_q8_0 *b, int g, const float *s, 
 }
 
 #define Y_GRP_DECODED(name, blk)                                                                   \
-    T256 static inline float y_grp_##name(const blk *b, int g, const float *s, __m256 w[4]) {     \
+    T256 static inline float y_grp_##name(const blk *b, int g, const float *s, __m256 w[4]) {      \
         y_dec_##name(b, g, s, w, 1);                                                               \
         return 1.0f;                                                                               \
     }
@@ -284,11 +284,11 @@ T256 static inline __m256 y_grp_dot(const __m256 w[4], const float *x) {
 }
 
 #define DEF_BLOCK_KERNELS(name, blk, qk)                                                           \
-    T256 static inline __m256 y_grp_acc_##name(const blk *b, int g, const float *s,               \
+    T256 static inline __m256 y_grp_acc_##name(const blk *b, int g, const float *s,                \
                                                const float *x, __m256 acc) {                       \
         __m256 w[4];                                                                               \
         const float f = y_grp_##name(b, g, s, w);                                                  \
-        return _mm256_fmadd_ps(_mm256_set1_ps(f), y_grp_dot(w, x + 32 * g), acc);                 \
+        return _mm256_fmadd_ps(_mm256_set1_ps(f), y_grp_dot(w, x + 32 * g), acc);                  \
     }                                                                                              \
     T256 static float y_dot_##name(const void *row, const float *x, int64_t n) {                   \
         const blk *b = row;                                                                        \
@@ -694,7 +694,8 @@ T256 static void y_quant_x16(const float *x, int64_t n, int16_t *q, float *ds) {
     }
 }
 
-/* Block factors straight from the f16 fields: lane 0 the scale, lane 1 the min (F16C). */
+/* ------------------------------------------------------------------ group factors
+ * Blocks of 32: the f16 fields, lane 0 the scale and lane 1 the min (F16C). */
 T256 static inline __m128 y_half1(const lm_half *p) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128(lm_load_half(p)));
 }
@@ -705,34 +706,48 @@ T256 static inline __m128 y_half2(const lm_half *p) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
 }
 
-/* K-quant factors interleaved for the integer path: s[2g] = d * scale_g, s[2g + 1] =
- * -dmin * min_g (a group's factor and offset in one 8-byte load); Q6_K keeps its sixteen. */
-T256 static inline void y_kq_pairs(const uint8_t *scales, const lm_half *d, float *s) {
-    uint8_t u[16];
-    lm_kq_unpack(scales, u);
-    const __m128 dm = y_half2(d); /* d, dmin */
-    const __m256 f = _mm256_mul_ps(y_u8_ps(_mm_loadl_epi64((const __m128i *)u)),
-                                   _mm256_set1_ps(_mm_cvtss_f32(dm)));
-    const __m256 o = _mm256_mul_ps(y_u8_ps(_mm_loadl_epi64((const __m128i *)(u + 8))),
-                                   _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dm))));
-    /* interleave per 128-bit lane, then store the halves in order */
-    const __m256 lo = _mm256_unpacklo_ps(f, o), hi = _mm256_unpackhi_ps(f, o);
-    _mm256_storeu_ps(s, _mm256_permute2f128_ps(lo, hi, 0x20));
-    _mm256_storeu_ps(s + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+#define y_fac_q4_0(b) y_half1(&(b)->d)
+#define y_fac_q4_1(b) y_half2(&(b)->d) /* the min follows the scale */
+#define y_fac_q5_0(b) y_half1(&(b)->d)
+#define y_fac_q5_1(b) y_half2(&(b)->d)
+#define y_fac_q8_0(b) y_half1(&(b)->d)
+
+/* Super-blocks: y_gfac8_<type>(b, fa, fb, fm) gives the eight groups' factors: fa the scale
+ * (of the first sixteen for Q6_K), fb Q6_K's scale of the second sixteen, fm the offset. */
+T256 static inline void y_deinterleave(const float *p, __m256 *even, __m256 *odd) {
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    /* shuffle works per 128-bit lane: put the 64-bit quarters back in order */
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
 }
 
-#define y_qscales_q4_0(b, s) ((void)(s))
-#define y_qscales_q4_1(b, s) ((void)(s))
-#define y_qscales_q5_0(b, s) ((void)(s))
-#define y_qscales_q5_1(b, s) ((void)(s))
-#define y_qscales_q8_0(b, s) ((void)(s))
-#define y_qscales_q4_K(b, s) y_kq_pairs((b)->scales, &(b)->d, (s))
-#define y_qscales_q5_K(b, s) y_kq_pairs((b)->scales, &(b)->d, (s))
-#define y_qscales_q6_K(b, s) y_scales_q6_K((b), (s))
+/* Q4_K / Q5_K: fa = d * scale_g, fm = -dmin * min_g. */
+#define DEF_GFAC_KQ(name, blk)                                                                     \
+    T256 static inline void y_gfac8_##name(const blk *b, __m256 *fa, __m256 *fb, __m256 *fm) {     \
+        uint8_t u[16];                                                                             \
+        lm_kq_unpack(b->scales, u);                                                                \
+        *fa = _mm256_mul_ps(y_u8_ps(_mm_loadl_epi64((const __m128i *)u)),                          \
+                            _mm256_set1_ps(lm_f16(&b->d)));                                        \
+        *fb = _mm256_setzero_ps();                                                                 \
+        *fm = _mm256_mul_ps(y_u8_ps(_mm_loadl_epi64((const __m128i *)(u + 8))),                    \
+                            _mm256_set1_ps(-lm_f16(&b->dmin)));                                    \
+    }
+DEF_GFAC_KQ(q4_K, block_q4_K)
+DEF_GFAC_KQ(q5_K, block_q5_K)
+#undef DEF_GFAC_KQ
 
-/* y_ints_<type>(b, g, s, w): group g's integers, elements 0..15 in w[0] and 16..31 in w[1];
- * returns its factors: lane 0 the scale, lane 1 the offset (affine encodings) or the second
- * sixteen's scale (Q6_K). */
+/* Q6_K: group g's sixteens use scales 2g and 2g + 1. */
+T256 static inline void y_gfac8_q6_K(const block_q6_K *b, __m256 *fa, __m256 *fb, __m256 *fm) {
+    float s[16];
+    y_scales_q6_K(b, s);
+    y_deinterleave(s, fa, fb);
+    *fm = _mm256_setzero_ps();
+}
+
+/* ------------------------------------------------------------------ group integers
+ * y_ints_<type>(b, g, w): group g of block b as int16, elements 0..15 in w[0], 16..31 in w[1]. */
 T256 static inline void y_ints_u8(__m128i lo, __m128i hi, __m256i w[2]) {
     w[0] = _mm256_cvtepu8_epi16(lo);
     w[1] = _mm256_cvtepu8_epi16(hi);
@@ -749,46 +764,36 @@ T256 static inline __m256i y_bytes_u16(const uint8_t *p) {
     return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
 
-T256 static inline __m128 y_ints_q4_0(const block_q4_0 *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q4_0(const block_q4_0 *b, int g, __m256i w[2]) {
     (void)g;
-    (void)s;
     const __m256i v = y_bytes_u16(b->qs), off = _mm256_set1_epi16(8);
     w[0] = _mm256_sub_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x0F)), off);
     w[1] = _mm256_sub_epi16(_mm256_srli_epi16(v, 4), off);
-    return y_half1(&b->d);
 }
 
-T256 static inline __m128 y_ints_q4_1(const block_q4_1 *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q4_1(const block_q4_1 *b, int g, __m256i w[2]) {
     (void)g;
-    (void)s;
     const __m256i v = y_bytes_u16(b->qs);
     w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
     w[1] = _mm256_srli_epi16(v, 4);
-    return y_half2(&b->d);
 }
 
-T256 static inline __m128 y_ints_q5_0(const block_q5_0 *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q5_0(const block_q5_0 *b, int g, __m256i w[2]) {
     (void)g;
-    (void)s;
     const __m256i q = _mm256_sub_epi8(y_q5_bytes(b->qs, b->qh), _mm256_set1_epi8(16));
     y_ints_i8(y_lo128(q), y_hi128(q), w);
-    return y_half1(&b->d);
 }
 
-T256 static inline __m128 y_ints_q5_1(const block_q5_1 *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q5_1(const block_q5_1 *b, int g, __m256i w[2]) {
     (void)g;
-    (void)s;
     const __m256i q = y_q5_bytes(b->qs, b->qh);
     y_ints_u8(y_lo128(q), y_hi128(q), w);
-    return y_half2(&b->d);
 }
 
-T256 static inline __m128 y_ints_q8_0(const block_q8_0 *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q8_0(const block_q8_0 *b, int g, __m256i w[2]) {
     (void)g;
-    (void)s;
     y_ints_i8(_mm_loadu_si128((const __m128i *)b->qs),
               _mm_loadu_si128((const __m128i *)(b->qs + 16)), w);
-    return y_half1(&b->d);
 }
 
 /* Group g of a Q4_K/Q5_K super-block from its 32 bytes (low nibbles for even g, high for
@@ -804,25 +809,22 @@ T256 static inline void y_kq_nibbles16(const uint8_t *qs, int g, __m256i w[2]) {
     }
 }
 
-T256 static inline __m128 y_ints_q4_K(const block_q4_K *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q4_K(const block_q4_K *b, int g, __m256i w[2]) {
     y_kq_nibbles16(b->qs, g, w);
-    return _mm_castpd_ps(_mm_load_sd((const double *)(s + 2 * g)));
 }
 
-T256 static inline __m128 y_ints_q5_K(const block_q5_K *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q5_K(const block_q5_K *b, int g, __m256i w[2]) {
     /* bit g of each qh byte, moved to bit 4 */
     const __m256i h0 = y_bytes_u16(b->qh), h1 = y_bytes_u16(b->qh + 16);
     const __m256i bit = _mm256_set1_epi16((short)(1 << g));
     y_kq_nibbles16(b->qs, g, w);
     w[0] = _mm256_or_si256(w[0], _mm256_srli_epi16(_mm256_slli_epi16(_mm256_and_si256(h0, bit), 4), g));
     w[1] = _mm256_or_si256(w[1], _mm256_srli_epi16(_mm256_slli_epi16(_mm256_and_si256(h1, bit), 4), g));
-    return _mm_castpd_ps(_mm_load_sd((const double *)(s + 2 * g)));
 }
 
-T256 static inline __m128 y_ints_q6_K(const block_q6_K *b, int g, const float *s, __m256i w[2]) {
+T256 static inline void y_ints_q6_K(const block_q6_K *b, int g, __m256i w[2]) {
     const __m256i q = y_q6_bytes(b, g);
     y_ints_i8(y_lo128(q), y_hi128(q), w);
-    return _mm_castpd_ps(_mm_load_sd((const double *)(s + 8 * (g / 4) + 2 * (g % 4))));
 }
 
 /* How a type's group factors apply: 0 one scale; 1 a scale and an offset; 2 a scale per
@@ -840,88 +842,162 @@ T256 static inline __m256 y_lane0(__m128 v) {
     return _mm256_broadcastss_ps(v);
 }
 
-T256 static inline __m256 y_lane1(__m128 v) {
-    return _mm256_broadcastss_ps(_mm_movehdup_ps(v));
-}
+/* Every token below runs the same sequence of operations whatever the number of tokens, so
+ * a token's result does not depend on the batch it is computed in. Two accumulator sets
+ * (even and odd groups) let the FMA chains overlap. */
 
-/* Group G (block b, group g of it) for NT <= 4 tokens into acc[t]; offsets gather in lane 1
- * of off[t]. */
-#define DEF_DOTQ_KERNELS(name, type, blk, qk)                                                      \
+/* Blocks of 32: block G for NT <= LM_DOTQ_TOKENS tokens into acc[t], its factor taken per
+ * token (the offsets of Q4_1 / Q5_1 gather in lane 1 of off[t]). */
+#define DEF_DOTQ_32(name, blk)                                                                     \
     T256 static inline __attribute__((always_inline)) void y_dotq_grp_##name(                      \
-        const blk *b, int g, const float *s, int64_t G, const int NT, const int16_t *const *xq,    \
-        const float *const *ds, __m256 *acc, __m128 *off) {                                        \
+        const blk *b, int64_t G, const int NT, const int16_t *const *xq, const float *const *ds,   \
+        __m256 *acc, __m128 *off) {                                                                \
         __m256i w[2];                                                                              \
-        const __m128 fw = y_ints_##name(b, g, s, w);                                               \
-        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+        y_ints_##name(b, 0, w);                                                                    \
+        const __m128 fw = y_fac_##name(b);                                                         \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
             const __m256i p0 =                                                                     \
                 _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * G)));    \
             const __m256i p1 = _mm256_madd_epi16(                                                  \
                 w[1], _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * G + 16)));                 \
-            if (Y_FAC_##name == 2) {                                                               \
-                const __m128 p = _mm_mul_ps(fw, _mm_broadcast_ss(ds[t] + 2 * G));                  \
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), y_lane0(p), acc[t]);              \
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), y_lane1(p), acc[t]);              \
-            } else {                                                                               \
-                const __m128 p = Y_FAC_##name == 1                                                 \
-                                     ? _mm_mul_ps(fw, _mm_castpd_ps(_mm_load_sd(                   \
-                                                          (const double *)(ds[t] + 2 * G))))       \
-                                     : _mm_mul_ss(fw, _mm_load_ss(ds[t] + 2 * G));                 \
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),             \
-                                         y_lane0(p), acc[t]);                                      \
-                if (Y_FAC_##name == 1) off[t] = _mm_add_ps(off[t], p);                             \
-            }                                                                                      \
+            const __m128 p =                                                                       \
+                Y_FAC_##name == 1                                                                  \
+                    ? _mm_mul_ps(fw, _mm_castpd_ps(_mm_load_sd((const double *)(ds[t] + 2 * G))))  \
+                    : _mm_mul_ss(fw, _mm_load_ss(ds[t] + 2 * G));                                  \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), y_lane0(p),     \
+                                     acc[t]);                                                      \
+            if (Y_FAC_##name == 1) off[t] = _mm_add_ps(off[t], p);                                 \
         }                                                                                          \
     }                                                                                              \
-    /* two accumulator sets (alternate groups) so the FMA chains overlap */                        \
     T256 static inline __attribute__((always_inline)) void y_dotq_body_##name(                     \
         const blk *b, const lm_xq *x, int64_t t0, const int NT, float *out, int64_t ldo) {         \
-        const int64_t n = x->n, nb = n / (qk);                                                     \
-        __m256 a0[4], a1[4];                                                                       \
-        __m128 o0[4], o1[4];                                                                       \
-        const int16_t *xq[4];                                                                      \
-        const float *ds[4];                                                                        \
-        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+        const int64_t n = x->n, nb = n / 32;                                                       \
+        __m256 a0[LM_DOTQ_TOKENS], a1[LM_DOTQ_TOKENS];                                             \
+        __m128 o0[LM_DOTQ_TOKENS], o1[LM_DOTQ_TOKENS];                                             \
+        const int16_t *xq[LM_DOTQ_TOKENS];                                                         \
+        const float *ds[LM_DOTQ_TOKENS];                                                           \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
             a0[t] = a1[t] = _mm256_setzero_ps();                                                   \
             o0[t] = o1[t] = _mm_setzero_ps();                                                      \
             xq[t] = x->q + (t0 + t) * n;                                                           \
             ds[t] = x->ds + (t0 + t) * (n / 16);                                                   \
         }                                                                                          \
-        float s[16];                                                                               \
-        if ((qk) / 32 >= 2) {                                                                      \
-            for (int64_t i = 0; i < nb; i++) {                                                     \
-                y_qscales_##name(b + i, s);                                                        \
-                _Pragma("GCC unroll 8") for (int g = 0; g < (qk) / 32; g += 2) {                   \
-                    const int64_t G = i * ((qk) / 32) + g;                                         \
-                    y_dotq_grp_##name(b + i, g, s, G, NT, xq, ds, a0, o0);                         \
-                    y_dotq_grp_##name(b + i, g + 1, s, G + 1, NT, xq, ds, a1, o1);                 \
-                }                                                                                  \
-            }                                                                                      \
-        } else {                                                                                   \
-            int64_t i = 0;                                                                         \
-            for (; i + 2 <= nb; i += 2) {                                                          \
-                y_dotq_grp_##name(b + i, 0, s, i, NT, xq, ds, a0, o0);                             \
-                y_dotq_grp_##name(b + i + 1, 0, s, i + 1, NT, xq, ds, a1, o1);                     \
-            }                                                                                      \
-            if (i < nb) y_dotq_grp_##name(b + i, 0, s, i, NT, xq, ds, a0, o0);                     \
+        int64_t i = 0;                                                                             \
+        for (; i + 2 <= nb; i += 2) {                                                              \
+            y_dotq_grp_##name(b + i, i, NT, xq, ds, a0, o0);                                       \
+            y_dotq_grp_##name(b + i + 1, i + 1, NT, xq, ds, a1, o1);                               \
         }                                                                                          \
-        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+        if (i < nb) y_dotq_grp_##name(b + i, i, NT, xq, ds, a0, o0);                               \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
             const __m128 o = _mm_add_ps(o0[t], o1[t]);                                             \
             out[t * ldo] = y_hsum(_mm256_add_ps(a0[t], a1[t])) +                                   \
                            _mm_cvtss_f32(_mm_movehdup_ps(o));                                      \
         }                                                                                          \
+    }
+
+/* Super-blocks: each token's factors for the super-block's eight groups are multiplied out
+ * first, cf[g] = fa[g] * d_g (Q6_K: cf[2g], cf[2g + 1] for its two sixteens), with the
+ * offsets' fm[g] * sum_g into off; a group's per-token work is then two madd, one add, one
+ * convert and one FMA. */
+T256 static inline __attribute__((always_inline)) void y_fold8(const float *ds, __m256 fa,
+                                                               __m256 fb, __m256 fm,
+                                                               const int fac, float *cf,
+                                                               __m256 *off) {
+    __m256 d, s;
+    y_deinterleave(ds, &d, &s);
+    const __m256 f = _mm256_mul_ps(fa, d);
+    if (fac == 2) {
+        const __m256 h = _mm256_mul_ps(fb, d);
+        const __m256 lo = _mm256_unpacklo_ps(f, h), hi = _mm256_unpackhi_ps(f, h);
+        _mm256_storeu_ps(cf, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(cf + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    } else {
+        _mm256_storeu_ps(cf, f);
+    }
+    if (fac == 1) *off = _mm256_fmadd_ps(fm, s, *off);
+}
+
+#define DEF_DOTQ_KQ(name, blk)                                                                     \
+    T256 static inline __attribute__((always_inline)) void y_dotq_grp_##name(                      \
+        const blk *b, int g, int64_t G, const int NT, const int16_t *const *xq,                    \
+        float (*cf)[16], __m256 *acc) {                                                            \
+        __m256i w[2];                                                                              \
+        y_ints_##name(b, g, w);                                                                    \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            const __m256i p0 =                                                                     \
+                _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * G)));    \
+            const __m256i p1 = _mm256_madd_epi16(                                                  \
+                w[1], _mm256_loadu_si256((const __m256i *)(xq[t] + 32 * G + 16)));                 \
+            if (Y_FAC_##name == 2) {                                                               \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),                                   \
+                                         _mm256_broadcast_ss(cf[t] + 2 * g), acc[t]);              \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),                                   \
+                                         _mm256_broadcast_ss(cf[t] + 2 * g + 1), acc[t]);          \
+            } else {                                                                               \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),             \
+                                         _mm256_broadcast_ss(cf[t] + g), acc[t]);                  \
+            }                                                                                      \
+        }                                                                                          \
     }                                                                                              \
-    T256 static void y_dotq_##name(const void *row, const lm_xq *x, int64_t t0, int nt,           \
+    T256 static inline __attribute__((always_inline)) void y_dotq_body_##name(                     \
+        const blk *b, const lm_xq *x, int64_t t0, const int NT, float *out, int64_t ldo) {         \
+        const int64_t n = x->n, nb = n / 256;                                                      \
+        __m256 a0[LM_DOTQ_TOKENS], a1[LM_DOTQ_TOKENS], off[LM_DOTQ_TOKENS];                        \
+        const int16_t *xq[LM_DOTQ_TOKENS];                                                         \
+        const float *ds[LM_DOTQ_TOKENS];                                                           \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            a0[t] = a1[t] = off[t] = _mm256_setzero_ps();                                          \
+            xq[t] = x->q + (t0 + t) * n;                                                           \
+            ds[t] = x->ds + (t0 + t) * (n / 16);                                                   \
+        }                                                                                          \
+        float cf[LM_DOTQ_TOKENS][16];                                                              \
+        for (int64_t i = 0; i < nb; i++) {                                                         \
+            __m256 fa, fb, fm;                                                                     \
+            y_gfac8_##name(b + i, &fa, &fb, &fm);                                                  \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                 \
+                y_fold8(ds[t] + 16 * i, fa, fb, fm, Y_FAC_##name, cf[t], &off[t]);                 \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g += 2) {                               \
+                y_dotq_grp_##name(b + i, g, 8 * i + g, NT, xq, cf, a0);                            \
+                y_dotq_grp_##name(b + i, g + 1, 8 * i + g + 1, NT, xq, cf, a1);                    \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            out[t * ldo] = y_hsum(_mm256_add_ps(a0[t], a1[t])) + y_hsum(off[t]);                   \
+        }                                                                                          \
+    }
+
+#define DEF_DOTQ_ENTRY(name, blk)                                                                  \
+    T256 static void y_dotq_##name(const void *row, const lm_xq *x, int64_t t0, int nt,            \
                                    float *out, int64_t ldo) {                                      \
         const blk *b = row;                                                                        \
         switch (nt) {                                                                              \
         case 1: y_dotq_body_##name(b, x, t0, 1, out, ldo); break;                                  \
         case 2: y_dotq_body_##name(b, x, t0, 2, out, ldo); break;                                  \
         case 3: y_dotq_body_##name(b, x, t0, 3, out, ldo); break;                                  \
-        default: y_dotq_body_##name(b, x, t0, 4, out, ldo); break;                                 \
+        case 4: y_dotq_body_##name(b, x, t0, 4, out, ldo); break;                                  \
+        case 5: y_dotq_body_##name(b, x, t0, 5, out, ldo); break;                                  \
+        case 6: y_dotq_body_##name(b, x, t0, 6, out, ldo); break;                                  \
+        case 7: y_dotq_body_##name(b, x, t0, 7, out, ldo); break;                                  \
+        default: y_dotq_body_##name(b, x, t0, 8, out, ldo); break;                                 \
         }                                                                                          \
     }
+#define DEF_DOTQ_KERNELS(name, type, blk, qk)                                                      \
+    _Static_assert((qk) == 32 || (qk) == 256, "integer products of an unknown block size");        \
+    DEF_DOTQ_ENTRY(name, blk)
+DEF_DOTQ_32(q4_0, block_q4_0)
+DEF_DOTQ_32(q4_1, block_q4_1)
+DEF_DOTQ_32(q5_0, block_q5_0)
+DEF_DOTQ_32(q5_1, block_q5_1)
+DEF_DOTQ_32(q8_0, block_q8_0)
+DEF_DOTQ_KQ(q4_K, block_q4_K)
+DEF_DOTQ_KQ(q5_K, block_q5_K)
+DEF_DOTQ_KQ(q6_K, block_q6_K)
 LM_BLOCK_TYPES(DEF_DOTQ_KERNELS)
 #undef DEF_DOTQ_KERNELS
+#undef DEF_DOTQ_ENTRY
+#undef DEF_DOTQ_32
+#undef DEF_DOTQ_KQ
 
 /* ------------------------------------------------------------------ GEMM micro-kernel
  * 16 weight rows (two vectors) x 6 tokens (broadcasts): 12 accumulators of 16 registers. */
@@ -965,7 +1041,7 @@ T256 static void y_gemm_16x6(const float *a, const float *b, int64_t k, float *c
 
 void lm_kernels_avx2(lm_kernels *k) {
 #define SET_ELEM(name, type)                                                                       \
-    k->dequant[type] = y_deq_##name;                                                             \
+    k->dequant[type] = y_deq_##name;                                                               \
     k->dot[type] = y_dot_##name;
 #define SET_BLOCK(name, type, blk, qk)                                                             \
     SET_ELEM(name, type)                                                                           \
@@ -1009,19 +1085,16 @@ void lm_kernels_avx2(lm_kernels *k) {
 #undef Y_MR
 #undef Y_NR
 #undef Y_FAC_q4_0
-#undef y_qscales_q4_0
+#undef y_fac_q4_0
 #undef Y_FAC_q4_1
-#undef y_qscales_q4_1
+#undef y_fac_q4_1
 #undef Y_FAC_q5_0
-#undef y_qscales_q5_0
+#undef y_fac_q5_0
 #undef Y_FAC_q5_1
-#undef y_qscales_q5_1
+#undef y_fac_q5_1
 #undef Y_FAC_q8_0
-#undef y_qscales_q8_0
+#undef y_fac_q8_0
 #undef Y_FAC_q4_K
-#undef y_qscales_q4_K
 #undef Y_FAC_q5_K
-#undef y_qscales_q5_K
 #undef Y_FAC_q6_K
-#undef y_qscales_q6_K
 #endif /* LM_HAVE_X86 */
