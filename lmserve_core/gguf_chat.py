@@ -51,7 +51,7 @@ from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
 from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
-from .speculative import Drafter, DraftModel, DraftSource, Pace, PromptLookup
+from .speculative import MAX_DRAFT, Drafter, DraftModel, DraftSource, Pace, PromptLookup
 from .stops import StopScanner
 from .tokenizer import StreamDecoder, Tokenizer
 from .tools import JSON_CALL, ToolCallParser, ToolConvention, forced_call_grammar
@@ -674,11 +674,25 @@ class GGUFChatBackend:
         as many of the drafts as sampling from the rows written accepts."""
         assert gen.pace is not None and gen.drafter is not None
         slot = gen.kv
-        most = gen.prepared.max_tokens - len(gen.generated)
-        k = gen.pace.budget(min(most, self.context_length - len(slot.tokens) - 1))
-        drafts = []
-        if k > 0:
-            drafts = gen.drafter.propose(gen.prepared.tokens + gen.generated, k)[:k]
+        pace, drafter = gen.pace, gen.drafter
+        most = min(
+            gen.prepared.max_tokens - len(gen.generated),
+            self.context_length - len(slot.tokens) - 1,
+            MAX_DRAFT,
+        )
+        drafts: list[int] = []
+        if getattr(drafter, "free", False):
+            # propose first: how many to verify depends on how the proposal was found
+            if most > 0:
+                drafts = drafter.propose(gen.prepared.tokens + gen.generated, most)
+            evidence = getattr(drafter, "evidence", None)
+            if drafts:
+                drafts = drafts[: pace.budget(len(drafts), evidence)]
+        else:
+            evidence = None
+            k = pace.budget(most)
+            if k > 0:
+                drafts = drafter.propose(gen.prepared.tokens + gen.generated, k)[:k]
         if not drafts:
             self._write_one(gen, tokens)
             return
@@ -699,7 +713,7 @@ class GGUFChatBackend:
                 break
         else:
             gen.logits = rows[len(drafts)]
-        gen.pace.update(len(drafts), accepted)
+        pace.update(len(drafts), accepted, evidence)
         slot.tokens.extend(written)
 
     def _advance(

@@ -33,6 +33,17 @@ MAX_DRAFT = 6
 class Drafter(Protocol):
     """One generation's drafting state."""
 
+    #: (Optional, False when absent.) True when a proposal costs next to nothing (a lookup):
+    #: the chat path then asks for
+    #: MAX_DRAFT tokens every pass and lets :class:`Pace` decide, from the proposal's
+    #: ``evidence``, how many of them to verify. A costly drafter (a model) is told the
+    #: number first.
+    free: bool
+    #: (Optional, None when absent.) How the last proposal was found, for :class:`Pace` to
+    #: keep a separate acceptance estimate for each kind (the lookup: the length of the
+    #: n-gram it matched); None when every proposal is alike.
+    evidence: int | None
+
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens likely to follow ``history`` (the prompt and every token
         generated so far, the last one included); [] when there is no good guess."""
@@ -50,16 +61,30 @@ class DraftSource(Protocol):
         """A drafter for a new generation."""
 
 
+class _Rate:
+    """A decaying estimate of the chance that a draft is accepted."""
+
+    def __init__(self, hits: float, trials: float) -> None:
+        self.hits, self.trials = hits, trials
+        self.paused = 0
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.trials
+
+
 class Pace:
     """How many drafts one generation tries next.
 
     A verify pass of ``1 + k`` rows costs about ``1 + VERIFY_ROW_COST * k`` decode steps (the
-    products are compute-bound at these sizes: measured 0.33 to 0.4 on two threads), and
+    products are compute-bound at these sizes: measured 0.3 to 0.45 on two threads), and
     with each draft accepted with probability ``a`` it yields ``1 + a + ... + a^k`` tokens.
     ``a`` is estimated from the generation's recent passes (an accepted draft is a hit, the
-    rejected one a miss, decaying), and ``k`` maximises tokens per cost. When no ``k`` beats
-    plain decoding, drafting pauses for ``PAUSE_TOKENS`` tokens, then tries again from an
-    even estimate.
+    rejected one a miss, decaying), separately for each kind of ``evidence`` a proposal
+    comes with: a lookup that matched eight tokens of context is right far more often than
+    one that matched two. ``k`` maximises tokens per cost. When no ``k`` beats plain
+    decoding for a kind, proposals of that kind are skipped for its next ``PAUSE_TOKENS``
+    chances, then tried again from an even estimate.
     """
 
     VERIFY_ROW_COST = 0.4
@@ -69,24 +94,28 @@ class Pace:
     def __init__(self) -> None:
         self.proposed = 0
         self.accepted = 0
-        self._hits = 4.0  # a prior of 0.8: try drafts from the start
-        self._trials = 5.0
-        self._paused = 0
+        self._rates: dict[int | None, _Rate] = {}
 
-    @property
-    def rate(self) -> float:
-        """The estimated chance that a draft is accepted."""
-        return self._hits / self._trials
+    def _rate(self, evidence: int | None) -> _Rate:
+        rate = self._rates.get(evidence)
+        if rate is None:
+            rate = self._rates[evidence] = _Rate(4.0, 5.0)  # a prior of 0.8: try at once
+        return rate
 
-    def budget(self, most: int) -> int:
-        """Drafts to ask for now (0: decode plainly this step)."""
-        if self._paused > 0:
-            self._paused -= 1
+    def rate(self, evidence: int | None = None) -> float:
+        """The estimated chance that a draft of this kind is accepted."""
+        return self._rate(evidence).value
+
+    def budget(self, most: int, evidence: int | None = None) -> int:
+        """Drafts to verify now (0: decode plainly this step)."""
+        rate = self._rate(evidence)
+        if rate.paused > 0:
+            rate.paused -= 1
             return 0
-        k = self.best(self.rate, min(most, MAX_DRAFT))
+        k = self.best(rate.value, min(most, MAX_DRAFT))
         if k == 0 and most > 0:
-            self._paused = self.PAUSE_TOKENS
-            self._hits, self._trials = 1.0, 2.0
+            rate.paused = self.PAUSE_TOKENS
+            rate.hits, rate.trials = 1.0, 2.0
         return k
 
     @classmethod
@@ -101,22 +130,23 @@ class Pace:
                 best_k, best_gain = k, gain
         return best_k
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, evidence: int | None = None) -> None:
         self.proposed += proposed
         self.accepted += accepted
         missed = 1 if accepted < proposed else 0
-        self._hits = self.DECAY * self._hits + accepted
-        self._trials = self.DECAY * self._trials + accepted + missed
+        rate = self._rate(evidence)
+        rate.hits = self.DECAY * rate.hits + accepted
+        rate.trials = self.DECAY * rate.trials + accepted + missed
 
 
 class PromptLookup:
     """Drafts from the conversation itself: the tokens that followed the most recent
-    earlier occurrence of its last ``n`` tokens (``n`` from ``max_ngram`` down to
-    ``min_ngram``)."""
+    earlier occurrence of its last ``n`` tokens, for the longest ``n`` from ``max_ngram``
+    down to ``min_ngram`` that occurs; ``n`` is the proposal's evidence."""
 
     name = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
@@ -127,13 +157,17 @@ class PromptLookup:
 
 
 class _LookupDrafter:
+    free = True
+
     def __init__(self, max_ngram: int, min_ngram: int) -> None:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.evidence: int | None = None
         self._ids = np.empty(0, np.int64)
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         n_hist = len(history)
+        self.evidence = None
         if k <= 0 or n_hist <= self.min_ngram:
             return []
         if self._ids.size > n_hist or (self._ids.size and self._ids[-1] != history[self._ids.size - 1]):
@@ -149,6 +183,7 @@ class _LookupDrafter:
                 if np.array_equal(ids[i : i + n], tail):
                     follow = ids[i + n : i + n + k]
                     if follow.size:
+                        self.evidence = n
                         return [int(t) for t in follow]
         return []
 
@@ -176,6 +211,9 @@ class DraftModel:
 
 
 class _ModelDrafter:
+    free = False
+    evidence: int | None = None
+
     def __init__(self, model: ForwardModel, n_ctx: int) -> None:
         self.model = model
         self.n_ctx = n_ctx

@@ -40,8 +40,11 @@ def test_prompt_lookup_proposes_what_followed_the_latest_repeat() -> None:
     history = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 4, 5, 6]
     # "5 6" last appeared at 7..8, followed by 7 3 4 5 6
     assert drafter.propose(history, 3) == [7, 3, 4]
+    assert drafter.evidence == 2  # "4 5 6" never appeared before
     assert drafter.propose([*history, 7], 2) == [3, 4]  # "5 6 7": the latest one
+    assert drafter.evidence == 3
     assert drafter.propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert drafter.evidence is None
     assert drafter.propose([9, 9], 3) == []  # too short to match min_ngram
     assert drafter.propose(history, 0) == []
 
@@ -56,12 +59,25 @@ def test_pace_follows_the_acceptance_and_pauses_when_drafts_do_not_pay() -> None
     for _ in range(6):
         k = pace.budget(100)
         pace.update(k, k)
-    assert pace.budget(100) == MAX_DRAFT and pace.rate > 0.9
+    assert pace.budget(100) == MAX_DRAFT and pace.rate() > 0.9
     while (k := pace.budget(100)) > 0:
         pace.update(k, 0)
     assert [pace.budget(100) for _ in range(Pace.PAUSE_TOKENS)] == [0] * Pace.PAUSE_TOKENS
     assert pace.budget(100) > 0  # tries again after the pause
     assert pace.proposed > 0 and pace.accepted > 0
+
+
+def test_pace_keeps_an_estimate_for_each_kind_of_evidence() -> None:
+    pace = Pace()
+    for _ in range(8):  # long matches are right, short ones wrong
+        if (k := pace.budget(MAX_DRAFT, 8)) > 0:
+            pace.update(k, k, 8)
+        if (k := pace.budget(MAX_DRAFT, 2)) > 0:
+            pace.update(k, 0, 2)
+    assert pace.rate(8) > 0.9 and pace.rate(2) <= 0.5
+    assert pace.budget(MAX_DRAFT, 8) == MAX_DRAFT
+    assert pace.budget(MAX_DRAFT, 2) == 0  # paused for short matches only
+    assert pace.budget(MAX_DRAFT, 8) == MAX_DRAFT
 
 
 def test_a_draft_leaves_the_sampled_distribution_unchanged() -> None:
@@ -181,6 +197,53 @@ def test_stop_strings_and_grammar_apply_to_accepted_tokens(gguf: GGUFFile) -> No
         assert sink.text == alone.text and finish == plain
         assert sink.text in ("alpha beta", "alpha beta gamma")
         check_shadow(backend)
+
+
+def test_a_free_drafter_proposes_in_full_and_the_pace_trims_by_its_evidence(
+    gguf: GGUFFile,
+) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "one two three four five six seven eight nine ten eleven") + [IM_END]
+    asked: list[int] = []
+    verified: list[int] = []
+
+    class Free:
+        name = "free"
+
+        def drafter(self) -> Any:
+            class _Drafter:
+                free = True
+                evidence = 5
+
+                def propose(self, history: Sequence[int], k: int) -> list[int]:
+                    asked.append(k)
+                    # the rest of the script after the part of it that ends the history
+                    for j in range(min(len(script), len(history)), 0, -1):
+                        if list(history[-j:]) == script[:j]:
+                            return script[j : j + k]
+                    return []
+
+                def close(self) -> None:
+                    pass
+
+            return _Drafter()
+
+    backend = make_backend(gguf, script)
+    backend.drafts = Free()  # type: ignore[assignment]
+    original = backend._speculate
+
+    def spy(gen: Any, tokens: list[int]) -> None:
+        before = len(gen.kv.tokens)
+        original(gen, tokens)
+        verified.append(len(gen.kv.tokens) - before)
+
+    backend._speculate = spy  # type: ignore[method-assign]
+    finish, sink = run(backend, chat("count", max_tokens=40))
+    plain, alone = run(make_backend(gguf, script), chat("count", max_tokens=40))
+    assert sink.text == alone.text and finish == plain
+    assert asked and max(asked) == MAX_DRAFT  # asked for the most it may verify
+    assert max(verified) > 1  # and the drafts were taken
+    check_shadow(backend)
 
 
 def test_max_tokens_bounds_the_drafts(gguf: GGUFFile) -> None:
