@@ -671,3 +671,25 @@ def test_sources_headers_and_cdef_agree() -> None:
     table = set(re.findall(r"X\((?:[\w *]+,[\s\\]*)?(lm_\w+),[\s\\]*\(", api))
     assert {"lm_matmul", "lm_self_attention", "lm_moe_ffn", "lm_base_free"} <= table
     assert table <= declared
+
+
+@pytest.mark.parametrize("pair", list(K.DECODE_LAYOUTS.items()), ids=lambda p: f"{QT(p[0]).name}")
+def test_decode_layouts_hold_the_same_values(pair: tuple[int, int], rng) -> None:
+    """A matrix relaid for decode decodes to the same floats and gives the same products,
+    bit for bit, at either precision."""
+    src, dst = pair
+    rows, cols = 37, 640
+    raw = make_rows(QT(src), rows, cols, rng)
+    relaid = K.convert_row(src, raw, dst, rows * cols)
+    assert relaid.nbytes == K.row_bytes(dst, rows * cols)
+    np.testing.assert_array_equal(
+        K.dequantize_row(src, raw, rows * cols), K.dequantize_row(dst, relaid, rows * cols)
+    )
+    x = rng.standard_normal((5, cols), dtype=np.float32)
+    for precision in K.DecodePrecision:
+        with K.use_decode_precision(precision):
+            np.testing.assert_array_equal(
+                K.matmul(src, raw, rows, cols, x), K.matmul(dst, relaid, rows, cols, x)
+            )
+    with pytest.raises(K.KernelError):
+        K.convert_row(dst, relaid, src, rows * cols)  # only the listed direction

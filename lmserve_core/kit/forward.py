@@ -17,7 +17,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
+from lmserve_core import memory
 from lmserve_core.gguf_file import GGUFError, GGUFFile, TensorInfo
 from lmserve_core.model import ATTENTION, AttentionCache, CacheKind
 from lmserve_core.native import kernels
@@ -29,6 +31,8 @@ __all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "Routing"]
 # Most tokens per weight pass: large enough that prefill is compute-bound, small enough that
 # the scratch (a few n_batch x n_ff float buffers) stays a few MB.
 DEFAULT_BATCH = 256
+
+log = structlog.get_logger("lmserve.kit")
 
 _bound: set[int] = set()  # family libs already handed the kit table
 _bind_lock = threading.Lock()
@@ -138,12 +142,17 @@ class NativeForwardModel:
         self.cache_layers: Any = None
         self.n_used_experts = 0  # > 0 for MoE models: routing can be traced
         self._keep: list[Any] = []  # buffers whose pointers C holds
+        self._relaid: dict[str, Any] = {}  # matrices copied into their decode layout
+        self._relay_budget: int | None = None  # bytes those copies may still take
+        self.relaid_bytes = 0
         self._used: set[str] = set()
         self._base: Any = None
         self._lock = threading.Lock()  # the model's scratch serves one call at a time
         self.setup()
         if self._base is None:
             raise RuntimeError(f"{type(self).__name__}.setup did not build the native model")
+        if self._relaid:
+            log.info("weights_relaid", matrices=len(self._relaid), bytes=self.relaid_bytes)
 
     @classmethod
     def load(
@@ -170,14 +179,37 @@ class NativeForwardModel:
     # ------------------------------------------------------------------ weight table
 
     def matrix(self, field: Any, name: str, shape: tuple[int, ...]) -> TensorInfo:
-        """Point an ``lm_matrix`` field at tensor ``name``, checked for type and shape."""
+        """Point an ``lm_matrix`` field at tensor ``name``, checked for type and shape.
+
+        A type of ``kernels.DECODE_LAYOUTS`` is rewritten once into its faster layout (the
+        same values, so every product is unchanged) while the copies stay within an eighth
+        of the memory available at load; past that the mapped file is used as it is."""
         info = self.gguf.require(name, ggml_types=kernels.MATRIX_TYPES, shape=shape)
-        buf = self.ffi.from_buffer(info.data)
+        data, ggml_type = self._decode_layout(info)
+        buf = self.ffi.from_buffer(data)
         self._keep.append(buf)
         field.data = self.ffi.cast("const void *", buf)
-        field.type = info.ggml_type
+        field.type = ggml_type
         self._used.add(name)
         return info
+
+    def _decode_layout(self, info: TensorInfo) -> tuple[Any, int]:
+        to = kernels.DECODE_LAYOUTS.get(info.ggml_type)
+        if to is None:
+            return info.data, info.ggml_type
+        done = self._relaid.get(info.name)
+        if done is None:
+            extra = kernels.row_bytes(to, info.n_elements) - info.nbytes
+            if self._relay_budget is None:
+                avail = memory.available()
+                self._relay_budget = (avail if avail is not None else 2 << 30) // 8
+            if extra > self._relay_budget:
+                return info.data, info.ggml_type
+            self._relay_budget -= extra
+            done = kernels.convert_row(info.ggml_type, info.data, to, info.n_elements)
+            self._relaid[info.name] = done
+            self.relaid_bytes += done.nbytes
+        return done, to
 
     def floats(self, name: str, shape: tuple[int, ...]) -> Any:
         """A ``const float *`` to tensor ``name`` (norms, biases): used in place when stored

@@ -43,6 +43,10 @@ DECODE_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
 
 #: Every GGML type id a weight matrix may have: what families accept for their matrices.
 MATRIX_TYPES: tuple[int, ...] = tuple(int(t) for t in QuantType)
+#: Matrices the kit keeps in another layout holding exactly the same values, because decode's
+#: products read it faster: Q5_0's 5-bit integers widened to Q8_0's bytes (about half the
+#: unpack work per weight for 1.5x the bytes; see ``NativeForwardModel.matrix``).
+DECODE_LAYOUTS: dict[int, int] = {int(QuantType.Q5_0): int(QuantType.Q8_0)}
 #: Storage types of a KV cache, by the name ``--kv-type`` takes.
 CACHE_TYPES: dict[str, int] = {"f16": int(QuantType.F16), "f32": int(QuantType.F32)}
 
@@ -263,6 +267,17 @@ def dequantize_row(qtype: int, raw: npt.ArrayLike, n: int) -> F32Array:
     _need(data, row_bytes(t, n), "dequantize_row")
     out = np.empty(int(n), dtype=np.float32)
     check(lib.lm_dequantize_row(t, _ubuf(data), _fbuf(out), int(n)), "dequantize_row")
+    return out
+
+
+def convert_row(qtype: int, raw: npt.ArrayLike, to: int, n: int) -> npt.NDArray[np.uint8]:
+    """The first ``n`` elements of a row of ``qtype`` blocks rewritten exactly as ``to``
+    (the pairs of :data:`DECODE_LAYOUTS`)."""
+    t, u = _type_id(qtype), _type_id(to)
+    data = _raw(raw)
+    _need(data, row_bytes(t, n), "convert_row")
+    out = np.empty(row_bytes(u, n), dtype=np.uint8)
+    check(lib.lm_convert_row(t, _ubuf(data), u, _ubuf(out), int(n)), "convert_row")
     return out
 
 

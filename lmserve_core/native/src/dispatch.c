@@ -106,6 +106,31 @@ int lm_dequantize_row(int type, const void *src, float *dst, int64_t n) {
     return LM_OK;
 }
 
+int lm_convert_row(int from, const void *src, int to, void *dst, int64_t n) {
+    int rc = check_row(from, src, n);
+    if (rc != LM_OK) {
+        return rc;
+    }
+    if (from != LM_Q5_0 || to != LM_Q8_0) {
+        return LM_ETYPE;
+    }
+    if (dst == NULL) {
+        return LM_EINVAL;
+    }
+    const block_q5_0 *s = src;
+    block_q8_0 *d = dst;
+    for (int64_t i = 0; i < n / 32; i++) {
+        uint32_t qh;
+        memcpy(&qh, s[i].qh, sizeof qh);
+        d[i].d = s[i].d;
+        for (int j = 0; j < 16; j++) {
+            d[i].qs[j] = (int8_t)(((s[i].qs[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16);
+            d[i].qs[j + 16] = (int8_t)(((s[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
+        }
+    }
+    return LM_OK;
+}
+
 int lm_vec_dot(int type, const void *row, const float *x, int64_t n, float *out) {
     int rc = check_row(type, row, n);
     if (rc != LM_OK) {

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from lmserve_gemma.model import Gemma3Model  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
+from lmserve_core.native import kernels  # noqa: E402
 from lmserve_core.testing.numerics import (  # noqa: E402
     check_batched_decode,
     check_int16_decode,
@@ -270,3 +271,26 @@ def test_int16_perplexity_stays_far_closer_than_llamacpp(
     chunked = Gemma3Model.load(gguf, n_threads=2, n_batch=16, kv_type="f32")
     f32, i16 = int16_perplexity_gap(ours, chunked, chunks, n_ctx // 2)
     assert abs(i16 - f32) <= abs(float(llamacpp["ppl"]) - f32) / 10
+
+
+@pytest.mark.parametrize("precision", list(kernels.DECODE_PRECISIONS))
+def test_q5_0_relaid_as_q8_0_changes_no_logit(
+    gguf: GGUFFile, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """The file's Q5_0 layers are served as Q8_0 bytes, the same values: prefill and decode
+    give bit-identical logits to the file's own layout, at either decode precision."""
+    relaid = Gemma3Model.load(gguf, n_threads=2, kv_type="f32")
+    assert relaid.relaid_bytes > 0
+    monkeypatch.setattr(kernels, "DECODE_LAYOUTS", {})
+    as_file = Gemma3Model.load(gguf, n_threads=2, kv_type="f32")
+    assert as_file.relaid_bytes == 0
+    ids = prompt_ids(tokenizer, PROMPTS[1])
+    with kernels.use_decode_precision(kernels.DECODE_PRECISIONS[precision]):
+        logits = []
+        for model in (relaid, as_file):
+            cache = model.new_cache(len(ids) + 4)
+            prefill = model.forward(cache, ids, 0, all_logits=True)
+            steps = [model.forward(cache, [t], len(ids) + i) for i, t in enumerate(ids[:3])]
+            logits.append((prefill, np.stack(steps)))
+    for a, b in zip(*logits, strict=True):
+        np.testing.assert_array_equal(a, b)

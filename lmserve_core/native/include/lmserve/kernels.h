@@ -46,6 +46,10 @@ int lm_dequantize_row(int type, const void *src, float *dst, int64_t n);
 int lm_vec_dot(int type, const void *row, const float *x, int64_t n, float *out);
 /* The same through int16 activations (LM_ETYPE for a type without an integer path). */
 int lm_vec_dot_i16(int type, const void *row, const float *x, int64_t n, float *out);
+/* The n elements of a row of `from` (src) rewritten exactly as type `to` (dst): the same
+ * values, in a layout whose products are cheaper. Only Q5_0 -> Q8_0 (the 5-bit integers
+ * widened to bytes, the scale kept); LM_ETYPE for any other pair. */
+int lm_convert_row(int from, const void *src, int to, void *dst, int64_t n);
 /* x[0..n) (n a multiple of 32) as the int16 activations: q[n] and, per group of 32, its
  * step and its f32 sum in ds[2g], ds[2g + 1]. */
 int lm_quantize_x16(const float *x, int64_t n, int16_t *q, float *ds);
