@@ -51,7 +51,15 @@ from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
 from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
-from .speculative import MAX_DRAFT, Drafter, DraftModel, DraftSource, Pace, PromptLookup
+from .speculative import (
+    MAX_DRAFT,
+    Drafter,
+    DraftModel,
+    DraftSource,
+    Pace,
+    PromptLookup,
+    VerifyCost,
+)
 from .stops import StopScanner
 from .tokenizer import StreamDecoder, Tokenizer
 from .tools import JSON_CALL, ToolCallParser, ToolConvention, forced_call_grammar
@@ -202,6 +210,7 @@ class GGUFChatBackend:
         self._grammar_lock = threading.Lock()
         self._prefill_slice = 2 * PREFILL_MIN_SLICE  # prompt tokens read per shared step
         self.drafts = self._draft_source(settings)
+        self.verify_cost = VerifyCost()  # learnt from the passes of generations that speculate
 
     def _disk_tier(self, gguf: GGUFFile, settings: ServerSettings) -> DiskTier | None:
         """The KV disk tier under ``kv_cache_dir``, for this model and cache layout."""
@@ -561,7 +570,7 @@ class GGUFChatBackend:
             gen.bits = np.empty(n_words, dtype=np.int32)
         gen.budget_close = self._budget_close(request, gen.out)
         if self.drafts is not None:
-            gen.drafter, gen.pace = self.drafts.drafter(), Pace()
+            gen.drafter, gen.pace = self.drafts.drafter(), Pace(self.verify_cost)
         return gen
 
     def step(self, gens: Sequence[Generation]) -> None:
@@ -693,10 +702,13 @@ class GGUFChatBackend:
             k = pace.budget(most)
             if k > 0:
                 drafts = drafter.propose(gen.prepared.tokens + gen.generated, k)[:k]
+        started = time.perf_counter()
         if not drafts:
             self._write_one(gen, tokens)
+            self.verify_cost.observe(len(tokens), time.perf_counter() - started)
             return
         rows = self.model.forward(slot.cache, tokens + drafts, len(slot.tokens), all_logits=True)
+        self.verify_cost.observe(len(tokens) + len(drafts), time.perf_counter() - started)
         written = list(tokens)  # the rows that hold this sequence's tokens
         accepted = 0
         for i, draft in enumerate(drafts):
@@ -808,6 +820,7 @@ class GGUFChatBackend:
                 drafts=self.drafts.name if self.drafts is not None else None,
                 proposed=gen.pace.proposed,
                 accepted=gen.pace.accepted,
+                row_cost=round(self.verify_cost.row, 3),
             )
         usage, out = gen.usage, gen.out
         gen.logits = None

@@ -61,6 +61,39 @@ class DraftSource(Protocol):
         """A drafter for a new generation."""
 
 
+class VerifyCost:
+    """What one more row of a verify pass costs on this machine and model, as a fraction of
+    a plain decode step: a least-squares line through the recent passes' (rows, seconds),
+    older passes weighing less. Until the passes have varied enough in size to fit a line,
+    the prior ``Pace.VERIFY_ROW_COST`` stands."""
+
+    FORGET = 0.97  # each pass weighs this much less with every later one
+    MIN_WEIGHT = 8.0  # passes (weighted) before the fit is trusted
+
+    def __init__(self) -> None:
+        self.row = Pace.VERIFY_ROW_COST
+        self.passes = 0
+        self._sums = np.zeros(5)  # weight, sum r, sum r^2, sum t, sum r t
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Record one pass of ``rows`` rows (the sampled token and its drafts) that took
+        ``seconds``."""
+        if rows < 1 or not seconds > 0.0:
+            return
+        self.passes += 1
+        sums = self._sums
+        sums *= self.FORGET
+        sums += (1.0, rows, rows * rows, seconds, rows * seconds)
+        w, r1, r2, t1, rt = sums
+        spread = w * r2 - r1 * r1  # w^2 times the variance of the row counts
+        if w < self.MIN_WEIGHT or spread < 0.25 * w * w:
+            return
+        slope = (w * rt - r1 * t1) / spread
+        step = (t1 - slope * r1) / w + slope  # one row: a plain decode step
+        if step > 0.0:
+            self.row = min(max(slope / step, 0.05), 1.5)
+
+
 class _Rate:
     """A decaying estimate of the chance that a draft is accepted."""
 
@@ -76,9 +109,10 @@ class _Rate:
 class Pace:
     """How many drafts one generation tries next.
 
-    A verify pass of ``1 + k`` rows costs about ``1 + VERIFY_ROW_COST * k`` decode steps (the
-    products are compute-bound at these sizes: measured 0.3 to 0.45 on two threads), and
-    with each draft accepted with probability ``a`` it yields ``1 + a + ... + a^k`` tokens.
+    A verify pass of ``1 + k`` rows costs about ``1 + c * k`` decode steps, ``c`` the
+    backend's :class:`VerifyCost` (the products are compute-bound at these sizes: 0.25 to
+    0.5 on two threads, depending on the model), and with each draft accepted with
+    probability ``a`` it yields ``1 + a + ... + a^k`` tokens.
     ``a`` is estimated from the generation's recent passes (an accepted draft is a hit, the
     rejected one a miss, decaying), separately for each kind of ``evidence`` a proposal
     comes with: a lookup that matched eight tokens of context is right far more often than
@@ -91,9 +125,10 @@ class Pace:
     PAUSE_TOKENS = 16
     DECAY = 0.7
 
-    def __init__(self) -> None:
+    def __init__(self, cost: VerifyCost | None = None) -> None:
         self.proposed = 0
         self.accepted = 0
+        self.cost = cost
         self._rates: dict[int | None, _Rate] = {}
 
     def _rate(self, evidence: int | None) -> _Rate:
@@ -112,20 +147,23 @@ class Pace:
         if rate.paused > 0:
             rate.paused -= 1
             return 0
-        k = self.best(rate.value, min(most, MAX_DRAFT))
+        row = self.cost.row if self.cost is not None else self.VERIFY_ROW_COST
+        k = self.best(rate.value, min(most, MAX_DRAFT), row)
         if k == 0 and most > 0:
             rate.paused = self.PAUSE_TOKENS
             rate.hits, rate.trials = 1.0, 2.0
         return k
 
     @classmethod
-    def best(cls, a: float, most: int) -> int:
-        """The number of drafts that yields most tokens per cost at acceptance ``a``."""
+    def best(cls, a: float, most: int, row: float | None = None) -> int:
+        """The number of drafts that yields most tokens per cost at acceptance ``a``, a
+        verify row costing ``row`` decode steps (default ``VERIFY_ROW_COST``)."""
+        row = cls.VERIFY_ROW_COST if row is None else row
         best_k, best_gain = 0, 1.0
         expected = 0.0
         for k in range(1, most + 1):
             expected += a**k
-            gain = (1.0 + expected) / (1.0 + cls.VERIFY_ROW_COST * k)
+            gain = (1.0 + expected) / (1.0 + row * k)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k

@@ -30,7 +30,7 @@ from lmserve_core.gguf_chat import GGUFChatBackend
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
 from lmserve_core.sampling import ResolvedSampling, Sampler
-from lmserve_core.speculative import MAX_DRAFT, Pace, PromptLookup
+from lmserve_core.speculative import MAX_DRAFT, Pace, PromptLookup, VerifyCost
 
 # ---------------------------------------------------------------------------- drafts
 
@@ -65,6 +65,25 @@ def test_pace_follows_the_acceptance_and_pauses_when_drafts_do_not_pay() -> None
     assert [pace.budget(100) for _ in range(Pace.PAUSE_TOKENS)] == [0] * Pace.PAUSE_TOKENS
     assert pace.budget(100) > 0  # tries again after the pause
     assert pace.proposed > 0 and pace.accepted > 0
+
+
+def test_verify_cost_is_learnt_from_the_passes() -> None:
+    cost = VerifyCost()
+    for _ in range(20):  # one size only: no line to fit, the prior stands
+        cost.observe(3, 0.030)
+    assert cost.row == Pace.VERIFY_ROW_COST
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # a step of 10 ms, each further row 2 ms (+-5% noise)
+        rows = int(rng.integers(1, MAX_DRAFT + 2))
+        cost.observe(rows, (0.008 + 0.002 * rows) * rng.uniform(0.95, 1.05))
+    assert cost.row == pytest.approx(0.2, abs=0.03)
+    cost.observe(0, 1.0)
+    cost.observe(2, float("nan"))  # ignored
+    assert cost.row == pytest.approx(0.2, abs=0.03)
+    # cheaper rows pay for more drafts at the same acceptance
+    assert Pace(cost).best(0.7, MAX_DRAFT, cost.row) > Pace.best(0.7, MAX_DRAFT)
+    learnt = Pace(cost)
+    assert learnt.budget(MAX_DRAFT) >= Pace().budget(MAX_DRAFT)
 
 
 def test_pace_keeps_an_estimate_for_each_kind_of_evidence() -> None:
@@ -166,6 +185,7 @@ def test_greedy_with_drafts_is_byte_identical_and_takes_fewer_passes(gguf: GGUFF
     verified = [n for _, n in calls[1:] if n > 1]
     assert verified, "the quoted code was drafted"
     assert len(calls) < plain.usage.completion_tokens  # fewer passes than tokens
+    assert backend.verify_cost.passes == len(calls) - 1  # every pass after the prompt
     check_shadow(backend)
 
 
