@@ -33,11 +33,10 @@ MAX_DRAFT = 6
 class Drafter(Protocol):
     """One generation's drafting state."""
 
-    #: (Optional, False when absent.) True when a proposal costs next to nothing (a lookup):
-    #: the chat path then asks for
-    #: MAX_DRAFT tokens every pass and lets :class:`Pace` decide, from the proposal's
-    #: ``evidence``, how many of them to verify. A costly drafter (a model) is told the
-    #: number first.
+    #: (Optional, False when absent.) True when a proposal costs next to nothing (a
+    #: lookup): the chat path then asks for MAX_DRAFT tokens every pass and lets
+    #: :class:`Pace` decide, from the proposal's ``evidence``, how many of them to verify.
+    #: A costly drafter (a model) is told the number first.
     free: bool
     #: (Optional, None when absent.) How the last proposal was found, for :class:`Pace` to
     #: keep a separate acceptance estimate for each kind (the lookup: the length of the

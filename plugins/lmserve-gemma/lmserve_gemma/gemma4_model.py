@@ -28,7 +28,7 @@ from .gemma4_config import Gemma4Config
 
 
 class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
-    """Gemma 4 over a mapped GGUF (weights are never copied)."""
+    """Gemma 4 over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
     config: Gemma4Config
 

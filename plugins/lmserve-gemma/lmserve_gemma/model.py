@@ -25,7 +25,7 @@ from .config import Gemma3Config
 
 
 class Gemma3Model(NativeForwardModel, native=_forward, config=Gemma3Config):
-    """Gemma 3 over a mapped GGUF (weights are never copied)."""
+    """Gemma 3 over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
     config: Gemma3Config
 

@@ -16,7 +16,7 @@ from .config import LlamaConfig
 
 
 class LlamaModel(NativeForwardModel, native=_forward, config=LlamaConfig):
-    """The llama forward pass over a mapped GGUF (weights are never copied)."""
+    """The llama forward pass over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
     config: LlamaConfig
 

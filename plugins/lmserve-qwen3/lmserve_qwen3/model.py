@@ -16,7 +16,7 @@ from .config import Qwen3Config
 
 
 class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config):
-    """Qwen3 or Qwen3-MoE over a mapped GGUF (weights are never copied)."""
+    """Qwen3 or Qwen3-MoE over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
     config: Qwen3Config
 
