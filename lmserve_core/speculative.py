@@ -127,7 +127,7 @@ class Pace:
     def __init__(self, cost: VerifyCost | None = None) -> None:
         self.proposed = 0
         self.accepted = 0
-        self.cost = cost
+        self.cost = cost if cost is not None else VerifyCost()  # a fresh one: the prior
         self._rates: dict[int | None, _Rate] = {}
 
     def _rate(self, evidence: int | None) -> _Rate:
@@ -146,8 +146,7 @@ class Pace:
         if rate.paused > 0:
             rate.paused -= 1
             return 0
-        row = self.cost.row if self.cost is not None else self.VERIFY_ROW_COST
-        k = self.best(rate.value, min(most, MAX_DRAFT), row)
+        k = self.best(rate.value, min(most, MAX_DRAFT), self.cost.row)
         if k == 0 and most > 0:
             rate.paused = self.PAUSE_TOKENS
             rate.hits, rate.trials = 1.0, 2.0
