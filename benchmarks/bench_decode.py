@@ -2,7 +2,10 @@
 ``llama-bench`` on the same file and thread count (pp512 / tg128 by default).
 
     python benchmarks/bench_decode.py [--models smollm2,gemma3-270m,qwen3-0.6b,qwen3moe-1b]
-        [--threads 2] [--llama-bench PATH] [--model FILE ...] [--json OUT]
+        [--threads 2] [--llama-bench PATH] [--depth N] [--json OUT]
+
+``--depth N`` measures decode only, after a context of N tokens (llama-bench's ``-d``): the
+cost of attention over a long conversation.
 
 Models:
 
@@ -109,34 +112,41 @@ def load(path: Path, threads: int) -> Any:
     return LlamaModel.load(gguf, n_threads=threads)
 
 
-def bench_ours(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict[str, float]:
+def bench_ours(
+    path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, depth: int = 0
+) -> dict[str, float]:
     model = load(path, threads)
     rng = np.random.default_rng(0)
-    tokens = [int(t) for t in rng.integers(100, model.n_vocab - 100, n_prompt)]
-    cache = model.new_cache(n_prompt + n_gen + 8)
+    tokens = [int(t) for t in rng.integers(100, model.n_vocab - 100, max(n_prompt, depth))]
+    cache = model.new_cache(max(n_prompt, depth) + n_gen + 8)
     model.forward(cache, tokens[:16], 0)  # warm up pages and the thread pool
+    if depth:
+        model.forward(cache, tokens[:depth], 0)
     prefill, decode = [], []
     for _ in range(reps):
-        started = time.perf_counter()
-        model.forward(cache, tokens, 0)
-        prefill.append(n_prompt / (time.perf_counter() - started))
-        # like llama-bench's tg test: generate from an empty context
+        if not depth:
+            started = time.perf_counter()
+            model.forward(cache, tokens[:n_prompt], 0)
+            prefill.append(n_prompt / (time.perf_counter() - started))
+        # like llama-bench's tg test: generate after `depth` tokens (none by default)
         token = tokens[0]
         started = time.perf_counter()
-        for pos in range(n_gen):
+        for pos in range(depth, depth + n_gen):
             token = int(np.argmax(model.forward(cache, [token], pos)))
         decode.append(n_gen / (time.perf_counter() - started))
     model.close()
-    return {"pp": statistics.median(prefill), "tg": statistics.median(decode),
-            "pp_best": max(prefill), "tg_best": max(decode)}
+    out = {"tg": statistics.median(decode), "tg_best": max(decode)}
+    if prefill:
+        out.update(pp=statistics.median(prefill), pp_best=max(prefill))
+    return out
 
 
 def bench_llama_cpp(
-    binary: str, path: Path, threads: int, n_prompt: int, n_gen: int, reps: int
+    binary: str, path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, depth: int = 0
 ) -> dict[str, float]:
     out = subprocess.run(
-        [binary, "-m", str(path), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
-         "-r", str(reps), "-o", "json"],
+        [binary, "-m", str(path), "-t", str(threads), "-p", str(0 if depth else n_prompt),
+         "-n", str(n_gen), "-d", str(depth), "-r", str(reps), "-o", "json"],
         capture_output=True, text=True, check=True,
     )
     result = {}
@@ -154,7 +164,7 @@ def summary(name: str, records: list[dict[str, Any]]) -> str:
     if not mine:
         return ""
     parts = []
-    for key in ("pp", "tg"):
+    for key in [k for k in ("pp", "tg") if k in mine[0]["ratio"]]:
         med = statistics.median(r["ratio"][key] for r in mine)
         ours = max(r["lmserve"][f"{key}_best"] for r in mine)
         theirs = max(r["llama.cpp"][f"{key}_best"] for r in mine)
@@ -172,6 +182,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-bench", help="path of a built llama.cpp llama-bench")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="decode only, after a context of this many tokens")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -180,23 +192,27 @@ def main() -> None:
     for name in names:
         path = model_path(name)
         for round_ in range(1, args.rounds + 1):
-            ours = bench_ours(path, args.threads, args.prompt, args.gen, args.reps)
+            ours = bench_ours(path, args.threads, args.prompt, args.gen, args.reps, args.depth)
             theirs = (
                 bench_llama_cpp(
-                    args.llama_bench, path, args.threads, args.prompt, args.gen, args.reps
+                    args.llama_bench, path, args.threads, args.prompt, args.gen, args.reps,
+                    args.depth,
                 )
                 if args.llama_bench
                 else None
             )
             record: dict[str, Any] = {"model": name, "file": path.name, "round": round_,
                                       "lmserve": ours, "llama.cpp": theirs}
-            line = (f"{name:12s} round {round_}: lmserve pp{args.prompt} {ours['pp']:7.1f}"
-                    f"  tg{args.gen} {ours['tg']:6.1f}")
+            keys = [k for k in ("pp", "tg") if k in ours]
+            tests = {"pp": f"pp{args.prompt}",
+                     "tg": f"tg{args.gen}" + (f"@d{args.depth}" if args.depth else "")}
+            line = f"{name:12s} round {round_}: lmserve " + "  ".join(
+                f"{tests[k]} {ours[k]:7.1f}" for k in keys)
             if theirs:
-                ratio = {k: ours[k] / theirs[k] for k in ("pp", "tg")}
+                ratio = {k: ours[k] / theirs[k] for k in keys}
                 record["ratio"] = ratio
-                line += (f" | llama.cpp {theirs['pp']:7.1f} {theirs['tg']:6.1f}"
-                         f" | ratio pp {ratio['pp']:.2f}x tg {ratio['tg']:.2f}x")
+                line += (" | llama.cpp " + " ".join(f"{theirs[k]:7.1f}" for k in keys)
+                         + " | ratio " + " ".join(f"{k} {ratio[k]:.2f}x" for k in keys))
             print(line, flush=True)
             records.append(record)
         if args.llama_bench:

@@ -183,6 +183,35 @@ def test_ring_cache_attends_like_full_rows(
             cache.attention(0, q[:1], n_ctx - 1, 0.2, 0, 0.0, pool)  # no window at all
 
 
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(4, 2, 32), (9, 3, 64), (4, 1, 256)])
+def test_decode_attention_of_a_token_does_not_depend_on_its_neighbours(
+    kv_type: str, heads: int, kv_heads: int, hd: int, isa: Any, rng: np.random.Generator
+) -> None:
+    # A verify pass or a small prefill chunk attends several tokens together (their rows
+    # shared, widened once when enough queries use them); each token must get exactly the
+    # bits it gets alone: greedy speculative decoding relies on it. Windowed layers on a
+    # ring that wraps inside chunks, full layers over several chunks.
+    n_ctx, window, ntok = 700, 300, 7
+    ring = window + ntok - 1
+    geometry = [(kv_heads, hd, hd, ring), (kv_heads, hd, hd)]
+    k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
+    q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
+    pos0 = n_ctx - ntok
+    cache = K.Cache(geometry, n_ctx, kv_type)
+    for layer in range(2):
+        for pos in range(0, n_ctx, ntok):
+            cache.write(layer, pos, k[pos : pos + ntok], v[pos : pos + ntok])
+    with K.Pool(2) as pool:
+        for layer, win in ((0, window), (1, 0), (1, 40)):
+            for p in (None, pool):
+                together = cache.attention(layer, q, pos0, 0.125, win, 0.0, p)
+                for first, n in ((0, 1), (0, 3), (2, 5), (6, 1)):
+                    part = cache.attention(layer, q[first : first + n], pos0 + first, 0.125,
+                                           win, 0.0, p)
+                    np.testing.assert_array_equal(part, together[first : first + n])
+
+
 def test_ring_cache_copy_and_state_keep_resident_rows(rng: np.random.Generator) -> None:
     geometry = [(1, 16, 16, 6), (2, 8, 8)]
     rows = [kv_rows(rng, g[:3], 20) for g in geometry]

@@ -1,11 +1,14 @@
 /*
  * Causal grouped-query attention over an f32 or f16 KV cache, two-pass (stable) softmax.
  *
- * Few query tokens (decode): work items are (token, kv head, chunk of keys). An item scores
- * its chunk for every query head of the group while the chunk's keys sit in L1, then sums
- * its values the same way, leaving per-chunk (max, sum, output) partials that a second pass
- * merges (the split-softmax of flash decoding). Chunks keep both threads busy even with a
- * single kv head.
+ * Few query tokens (decode): work items are (chunk of keys, kv head, group of tokens), the
+ * chunks on a grid of absolute positions. An item scores its chunk for every token and query
+ * head of the group while the chunk's keys sit in L1, then sums its values the same way,
+ * leaving per-chunk (max, sum, output) partials that a second pass merges (the split-softmax
+ * of flash decoding). When enough queries share a chunk (a verify pass, a small prefill
+ * chunk) its rows are widened to f32 once instead of by every query. A token's partials
+ * depend only on its own position, so a token computed with others gets the bits it gets
+ * alone. Chunks keep both threads busy even with a single kv head.
  * Many query tokens (prefill): tiled on the matmul micro-kernel. Each kv head's keys and
  * values are packed once into the GEMM's k-major panels; query rows (token, head of the
  * group) are taken `nr` at a time, S = Q K^T and O = P V then run at GEMM speed.
@@ -27,10 +30,14 @@ typedef struct {
     int n_head, n_kv_head, head_dim;
     float scale, softcap;
     /* decode path */
-    int64_t chunk;  /* keys per chunk */
-    int64_t n_kc;   /* chunks per (token, kv head) */
-    float *scores;  /* per thread: group x chunk */
-    float *part;    /* (token, head, chunk) x (head_dim outputs, max, sum) */
+    int64_t chunk;     /* keys per chunk; chunk c holds positions [c * chunk, c * chunk + chunk) */
+    int64_t kc0;       /* first chunk any token sees */
+    int64_t n_kc;      /* chunks from kc0 */
+    int64_t n_tg;      /* token groups per (kv head, chunk) */
+    int64_t tg_max;    /* most tokens in a group */
+    float *scratch;    /* per thread: a chunk's rows as f32, a run's sum, the scores */
+    size_t scratch_sz; /* floats per thread */
+    float *part;       /* (token, head, chunk) x (head_dim outputs, max, sum) */
     /* tiled path */
     int mr, nr, n_chunks;  /* GEMM tile, head_dim / mr rounded up */
     int64_t first;         /* first key any query may see (earlier ones: outside the window) */
@@ -45,9 +52,6 @@ typedef struct {
     size_t per_thread_sz;
 } attn_ctx;
 
-/* Widest head a ring's wrapped value run sums into on the stack. */
-#define LM_ATTN_HEAD_DIM_MAX 1024
-
 /* Below this many query tokens the per-(token, head) path is used. */
 #define ATTN_TILED_MIN_TOKENS 8
 
@@ -61,101 +65,188 @@ static inline float kv_at(const attn_ctx *c, const uint8_t *base, int64_t idx) {
                                 : ((const float *)base)[idx];
 }
 
-static inline const uint8_t *kv_row(const attn_ctx *c, const uint8_t *base, int64_t idx) {
-    return base + idx * (c->kv_type == LM_F16 ? 2 : 4);
-}
-
 /* The cache row of key position pos. */
 static inline int64_t key_row(const attn_ctx *c, int64_t pos) {
     return c->ring > 0 ? pos % c->ring : pos;
 }
 
-/* Scores of n keys from position j0 for one query (s[0 .. n)), the keys in at most two runs
- * of rows when a ring wraps; the maximum score. */
-static float chunk_scores(const attn_ctx *c, const float *qv, int kvh, int64_t j0, int64_t n,
-                          float *s) {
-    const lm_kernels *k = c->k;
+#define LOAD_AHEAD 32 /* rows prefetched ahead of the one being converted */
+
+/* Head kvh's rows of positions a .. b of cache `base` into dst as f32 (head_dim apart). */
+static void load_rows(const attn_ctx *c, const uint8_t *base, int kvh, int64_t a, int64_t b,
+                      float *dst) {
+    const int hd = c->head_dim;
+    const int64_t esz = c->kv_type == LM_F16 ? 2 : 4;
+    for (int64_t p = a; p <= b; p++, dst += hd) {
+        if (p + LOAD_AHEAD <= b) {
+            /* the rows are strided: keep several in flight */
+            const uint8_t *next =
+                base + (key_row(c, p + LOAD_AHEAD) * c->kv_stride + (int64_t)kvh * hd) * esz;
+            for (int64_t off = 0; off < hd * esz; off += 64) {
+                __builtin_prefetch(next + off, 0, 3);
+            }
+        }
+        const int64_t idx = key_row(c, p) * c->kv_stride + (int64_t)kvh * hd;
+        if (c->kv_type == LM_F16) {
+            c->k->f16_to_f32((const uint16_t *)base + idx, dst, hd);
+        } else {
+            memcpy(dst, (const float *)base + idx, (size_t)hd * sizeof(float));
+        }
+    }
+}
+
+/* Positions token t sees in chunk c0 .. c0 + chunk - 1 (empty when *lo > *hi). */
+static inline void token_keys(const attn_ctx *c, int64_t t, int64_t c0, int64_t *lo,
+                              int64_t *hi) {
+    const int64_t pos = c->pos0 + t, wl = window_lo(c, pos);
+    *lo = wl > c0 ? wl : c0;
+    *hi = pos < c0 + c->chunk - 1 ? pos : c0 + c->chunk - 1;
+}
+
+/* Where an item reads its rows: the cache itself (`rows` NULL), or the chunk's rows of one
+ * kv head widened to f32, position `a` first. */
+typedef struct {
+    const uint8_t *base; /* the K or V cache */
+    int kvh;
+    const float *rows;
+    int64_t a;
+} kv_src;
+
+/* The rows of positions j0 .. j0 + n - 1 run by run: a ring wraps at most once in a chunk.
+ * Both sources split the same runs and run the same kernels (the f16 rows widened exactly),
+ * so a token's scores and sums do not depend on which source its item used. */
+static inline int64_t run_len(const attn_ctx *c, int64_t pos, int64_t left) {
+    const int64_t row = key_row(c, pos);
+    return c->ring > 0 && c->ring - row < left ? c->ring - row : left;
+}
+
+static float run_scores(const attn_ctx *c, const kv_src *src, const float *qv, int64_t pos,
+                        int64_t len, float *s) {
+    const int hd = c->head_dim;
+    if (src->rows != NULL) {
+        return c->k->qk_scores(qv, src->rows + (pos - src->a) * hd, hd, len, hd, c->scale, s);
+    }
+    const int64_t idx = key_row(c, pos) * c->kv_stride + (int64_t)src->kvh * hd;
+    return c->kv_type == LM_F16
+               ? c->k->qk_scores_f16(qv, (const uint16_t *)src->base + idx, c->kv_stride, len,
+                                     hd, c->scale, s)
+               : c->k->qk_scores(qv, (const float *)src->base + idx, c->kv_stride, len, hd,
+                                 c->scale, s);
+}
+
+static void run_values(const attn_ctx *c, const kv_src *src, const float *p, int64_t pos,
+                       int64_t len, float *out) {
+    const int hd = c->head_dim;
+    if (src->rows != NULL) {
+        c->k->pv_sum(p, src->rows + (pos - src->a) * hd, hd, len, hd, out);
+        return;
+    }
+    const int64_t idx = key_row(c, pos) * c->kv_stride + (int64_t)src->kvh * hd;
+    if (c->kv_type == LM_F16) {
+        c->k->pv_sum_f16(p, (const uint16_t *)src->base + idx, c->kv_stride, len, hd, out);
+    } else {
+        c->k->pv_sum(p, (const float *)src->base + idx, c->kv_stride, len, hd, out);
+    }
+}
+
+/* Scores of positions j0 .. j0 + n - 1 for one query into s; the largest. */
+static float chunk_scores(const attn_ctx *c, const kv_src *src, const float *qv, int64_t j0,
+                          int64_t n, float *s) {
     float mx = -INFINITY;
     for (int64_t done = 0; done < n;) {
-        const int64_t row = key_row(c, j0 + done);
-        const int64_t len = c->ring > 0 && c->ring - row < n - done ? c->ring - row : n - done;
-        const uint8_t *kb = kv_row(c, c->kc, row * c->kv_stride + (int64_t)kvh * c->head_dim);
-        const float m =
-            c->kv_type == LM_F16
-                ? k->qk_scores_f16(qv, (const uint16_t *)kb, c->kv_stride, len, c->head_dim,
-                                   c->scale, s + done)
-                : k->qk_scores(qv, (const float *)kb, c->kv_stride, len, c->head_dim, c->scale,
-                               s + done);
+        const int64_t len = run_len(c, j0 + done, n - done);
+        const float m = run_scores(c, src, qv, j0 + done, len, s + done);
         mx = m > mx ? m : mx;
         done += len;
     }
     return mx;
 }
 
-/* out = sum_j p[j] v[j] over the n values from position j0 (at most two runs of rows). */
-static void chunk_values(const attn_ctx *c, const float *p, int kvh, int64_t j0, int64_t n,
-                         float *out) {
-    const lm_kernels *k = c->k;
-    const int hd = c->head_dim;
-    float tmp[LM_ATTN_HEAD_DIM_MAX];
+/* out = sum_j p[j] v[j] over positions j0 .. j0 + n - 1; tmp holds a second run's sum. */
+static void chunk_values(const attn_ctx *c, const kv_src *src, const float *p, int64_t j0,
+                         int64_t n, float *out, float *tmp) {
     for (int64_t done = 0; done < n;) {
-        const int64_t row = key_row(c, j0 + done);
-        const int64_t len = c->ring > 0 && c->ring - row < n - done ? c->ring - row : n - done;
-        const uint8_t *vb = kv_row(c, c->vc, row * c->kv_stride + (int64_t)kvh * hd);
-        float *o = done == 0 ? out : tmp;
-        if (c->kv_type == LM_F16) {
-            k->pv_sum_f16(p + done, (const uint16_t *)vb, c->kv_stride, len, hd, o);
-        } else {
-            k->pv_sum(p + done, (const float *)vb, c->kv_stride, len, hd, o);
-        }
-        if (done > 0) k->axpy_f32(out, 1.0f, tmp, hd);
+        const int64_t len = run_len(c, j0 + done, n - done);
+        run_values(c, src, p + done, j0 + done, len, done == 0 ? out : tmp);
+        if (done > 0) c->k->axpy_f32(out, 1.0f, tmp, c->head_dim);
         done += len;
     }
 }
+
+/* Queries of one item from which its rows are widened once instead of read as f16 by each:
+ * below it the copy costs more than it saves. */
+#define WIDEN_MIN_QUERIES 8
 
 static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
     const attn_ctx *c = arg;
     const lm_kernels *k = c->k;
     const int hd = c->head_dim;
     const int group = c->n_head / c->n_kv_head;
-    float *sc = c->scores + (size_t)thread * (size_t)group * (size_t)c->chunk;
-    const int64_t items = c->ntok * c->n_kv_head * c->n_kc;
+    float *rows = c->scratch + (size_t)thread * c->scratch_sz;
+    float *tmp = rows + (size_t)c->chunk * hd;
+    float *sc = tmp + hd; /* (token of the item, head of the group) x chunk */
+    const int64_t part_stride = c->n_kc * (hd + 2); /* next head of the group */
+    const int64_t items = c->n_kv_head * c->n_kc * c->n_tg;
     const int64_t i0 = items * task / n_tasks, i1 = items * (task + 1) / n_tasks;
     for (int64_t it = i0; it < i1; it++) {
-        const int64_t t = it / (c->n_kv_head * c->n_kc);
-        const int kvh = (int)(it / c->n_kc % c->n_kv_head);
-        const int64_t kc = it % c->n_kc;
-        const int64_t pos = c->pos0 + t;
-        const int64_t j0 = window_lo(c, pos) + kc * c->chunk;
-        const int64_t n = pos - j0 + 1 < c->chunk ? pos - j0 + 1 : c->chunk;
-        float *part0 = c->part + ((t * c->n_head + (int64_t)kvh * group) * c->n_kc + kc) * (hd + 2);
-        const int64_t part_stride = c->n_kc * (hd + 2); /* next head of the group */
-        if (n <= 0) { /* this token sees fewer chunks */
+        /* chunk-major: a cache row holds every kv head of its position, so the heads of
+         * one chunk run back to back */
+        const int64_t kc = it / (c->n_kv_head * c->n_tg), tg = it % c->n_tg;
+        const int kvh = (int)(it / c->n_tg % c->n_kv_head);
+        const int64_t t0 = c->ntok * tg / c->n_tg, t1 = c->ntok * (tg + 1) / c->n_tg;
+        const int64_t c0 = (c->kc0 + kc) * c->chunk;
+        /* the positions any token of the item sees (window_lo grows with the position) */
+        int64_t a, b, lo, hi;
+        token_keys(c, t0, c0, &a, &hi);
+        token_keys(c, t1 - 1, c0, &lo, &b);
+        const int widen = a <= b && (t1 - t0) * group >= WIDEN_MIN_QUERIES;
+        kv_src src = {c->kc, kvh, NULL, a};
+        if (widen) {
+            load_rows(c, c->kc, kvh, a, b, rows);
+            src.rows = rows;
+        }
+        for (int64_t t = t0; t < t1; t++) {
+            float *part0 =
+                c->part + ((t * c->n_head + (int64_t)kvh * group) * c->n_kc + kc) * (hd + 2);
+            token_keys(c, t, c0, &lo, &hi);
+            const int64_t n = hi - lo + 1;
             for (int g = 0; g < group; g++) {
-                part0[g * part_stride + hd] = -INFINITY;
-                part0[g * part_stride + hd + 1] = 0.0f;
+                float *part = part0 + g * part_stride;
+                if (n <= 0) { /* this token sees none of the chunk */
+                    part[hd] = -INFINITY;
+                    part[hd + 1] = 0.0f;
+                    continue;
+                }
+                const float *qv = c->q + (t * c->n_head + (int64_t)kvh * group + g) * hd;
+                float *s = sc + ((t - t0) * group + g) * c->chunk;
+                float mx = chunk_scores(c, &src, qv, lo, n, s);
+                if (c->softcap > 0.0f) {
+                    mx = -INFINITY;
+                    for (int64_t j = 0; j < n; j++) {
+                        s[j] = c->softcap * tanhf(s[j] / c->softcap);
+                        mx = s[j] > mx ? s[j] : mx;
+                    }
+                }
+                part[hd] = mx;
+                part[hd + 1] = k->exp_sum(s, n, mx);
             }
+        }
+        if (a > b) {
             continue;
         }
-        /* all heads of the group score the chunk first (its keys stay in L1) ... */
-        for (int g = 0; g < group; g++) {
-            const float *qv = c->q + (t * c->n_head + (int64_t)kvh * group + g) * hd;
-            float *s = sc + (int64_t)g * c->chunk;
-            float mx = chunk_scores(c, qv, kvh, j0, n, s);
-            if (c->softcap > 0.0f) {
-                mx = -INFINITY;
-                for (int64_t j = 0; j < n; j++) {
-                    s[j] = c->softcap * tanhf(s[j] / c->softcap);
-                    mx = s[j] > mx ? s[j] : mx;
-                }
-            }
-            float *part = part0 + g * part_stride;
-            part[hd] = mx;
-            part[hd + 1] = k->exp_sum(s, n, mx);
+        /* ... then the values the same way */
+        src.base = c->vc;
+        if (widen) {
+            load_rows(c, c->vc, kvh, a, b, rows);
         }
-        /* ... then sum the values the same way */
-        for (int g = 0; g < group; g++) {
-            chunk_values(c, sc + (int64_t)g * c->chunk, kvh, j0, n, part0 + g * part_stride);
+        for (int64_t t = t0; t < t1; t++) {
+            float *part0 =
+                c->part + ((t * c->n_head + (int64_t)kvh * group) * c->n_kc + kc) * (hd + 2);
+            token_keys(c, t, c0, &lo, &hi);
+            for (int g = 0; hi >= lo && g < group; g++) {
+                chunk_values(c, &src, sc + ((t - t0) * group + g) * c->chunk, lo, hi - lo + 1,
+                             part0 + g * part_stride, tmp);
+            }
         }
     }
 }
@@ -348,7 +439,6 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
                        int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
                        float softcap) {
     if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 || ring < 0 ||
-        (ring > 0 && head_dim > LM_ATTN_HEAD_DIM_MAX) ||
         n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f) ||
         (kv_type != LM_F32 && kv_type != LM_F16) || kv_stride < (int64_t)n_kv_head * head_dim) {
         return LM_EINVAL;
@@ -392,8 +482,16 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
     c.chunk = 24576 / ((int64_t)head_dim * 4);
     c.chunk = c.chunk < 16 ? 16 : c.chunk > 256 ? 256 : c.chunk;
     const int64_t pos_last = pos0 + ntok - 1;
-    c.n_kc = (pos_last - window_lo(&c, pos_last) + 1 + c.chunk - 1) / c.chunk;
-    const size_t sbytes = ((size_t)nth * group * c.chunk * sizeof(float) + 63) & ~(size_t)63;
+    c.kc0 = window_lo(&c, pos0) / c.chunk;
+    c.n_kc = pos_last / c.chunk - c.kc0 + 1;
+    /* split the tokens when there are too few (kv head, chunk) pairs to share out */
+    const int64_t pairs = n_kv_head * c.n_kc;
+    c.n_tg = (4 * nth + pairs - 1) / pairs;
+    c.n_tg = c.n_tg < 1 ? 1 : c.n_tg > ntok ? ntok : c.n_tg;
+    c.tg_max = (ntok + c.n_tg - 1) / c.n_tg;
+    c.scratch_sz =
+        ((size_t)c.chunk * (head_dim + (size_t)c.tg_max * group) + head_dim + 15) & ~(size_t)15;
+    const size_t sbytes = (size_t)nth * c.scratch_sz * sizeof(float);
     const size_t pbytes = (size_t)(ntok * n_head * c.n_kc) * (head_dim + 2) * sizeof(float);
     uint8_t *mem = acq != NULL ? lm_pool_scratch(acq, sbytes + pbytes)
                                : lm_aligned_alloc(sbytes + pbytes);
@@ -403,9 +501,9 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
         }
         return LM_ENOMEM;
     }
-    c.scores = (float *)mem;
+    c.scratch = (float *)mem;
     c.part = (float *)(mem + sbytes);
-    const int64_t items = ntok * n_kv_head * c.n_kc;
+    const int64_t items = pairs * c.n_tg;
     if (acq != NULL) {
         lm_pool_run_tasks(acq, attn_chunk_task, &c, (int)(items < 0xFFFF ? items : 0xFFFF));
         const int64_t heads = ntok * n_head;
@@ -427,4 +525,5 @@ int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, 
 }
 
 #undef ATTN_TILED_MIN_TOKENS
-#undef LM_ATTN_HEAD_DIM_MAX
+#undef WIDEN_MIN_QUERIES
+#undef LOAD_AHEAD

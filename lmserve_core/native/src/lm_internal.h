@@ -306,13 +306,15 @@ typedef struct {
     float (*qk_scores)(const float *q, const float *k, int64_t ks, int64_t n, int hd,
                        float scale, float *s);
     void (*pv_sum)(const float *p, const float *v, int64_t vs, int64_t n, int hd, float *out);
-    /* the same over f16 K / V rows */
+    /* the same over f16 K / V rows, with the same float operations: rows widened to f32
+     * first give the same bits */
     float (*qk_scores_f16)(const float *q, const uint16_t *k, int64_t ks, int64_t n, int hd,
                            float scale, float *s);
     void (*pv_sum_f16)(const float *p, const uint16_t *v, int64_t vs, int64_t n, int hd,
                        float *out);
-    /* y[0..n) = x rounded to half (nearest even) */
+    /* y[0..n) = x rounded to half (nearest even); and back, exactly */
     void (*f32_to_f16)(const float *x, uint16_t *y, int64_t n);
+    void (*f16_to_f32)(const uint16_t *x, float *y, int64_t n);
 } lm_kernels;
 
 void lm_kernels_portable(lm_kernels *k);

@@ -536,8 +536,9 @@ T256 static void y_gelu_mul(float *out, const float *gate, const float *up, int6
 }
 
 /* ------------------------------------------------------------------ attention rows
- * K / V rows are f32 or f16 (widened by F16C on load); `half` is a constant at every call,
- * so each variant compiles to its own loop. */
+ * K / V rows are f32 or f16 (widened by F16C on load, exactly); `half` is a constant at every
+ * call, so each variant compiles to its own loop, and both run the same float operations:
+ * rows converted to f32 beforehand give the same bits as the f16 rows. */
 T256 static inline __m256 y_ld_kv(const void *base, int64_t i, int half) {
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
                 : _mm256_loadu_ps((const float *)base + i);
@@ -547,6 +548,12 @@ static inline float y_kv_at(const void *base, int64_t i, int half) {
     return half ? lm_f16((const uint16_t *)base + i) : ((const float *)base)[i];
 }
 
+/* The four sums of (a0, a1, a2, a3) in one vector, each lane-summed in the same order. */
+T256 static inline __m128 y_sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t ks, int64_t n,
                                         int hd, float scale, float *s, int half) {
     float mx = -INFINITY;
@@ -554,6 +561,23 @@ T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t k
     if (hd % 8 == 0) {
         const __m128 vs = _mm_set1_ps(scale);
         __m128 vmx = _mm_set1_ps(-INFINITY);
+        /* eight keys at a time: eight FMA chains in flight */
+        for (; j + 8 <= n; j += 8) {
+            const int64_t k0 = j * ks;
+            __m256 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                for (int r = 0; r < 8; r++) {
+                    a[r] = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + r * ks + d, half), a[r]);
+                }
+            }
+            const __m128 r0 = _mm_mul_ps(y_sum4(a[0], a[1], a[2], a[3]), vs);
+            const __m128 r1 = _mm_mul_ps(y_sum4(a[4], a[5], a[6], a[7]), vs);
+            vmx = _mm_max_ps(vmx, _mm_max_ps(r0, r1));
+            _mm_storeu_ps(s + j, r0);
+            _mm_storeu_ps(s + j + 4, r1);
+        }
         for (; j + 4 <= n; j += 4) {
             const int64_t k0 = j * ks;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -564,9 +588,7 @@ T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t k
                 a2 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + 2 * ks + d, half), a2);
                 a3 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + 3 * ks + d, half), a3);
             }
-            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            const __m128 r = _mm_mul_ps(
-                _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vs);
+            const __m128 r = _mm_mul_ps(y_sum4(a0, a1, a2, a3), vs);
             vmx = _mm_max_ps(vmx, r);
             _mm_storeu_ps(s + j, r);
         }
@@ -593,20 +615,17 @@ T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t k
 T256 static inline void y_pv_sum_kv(const float *p, const void *v, int64_t vs, int64_t n, int hd,
                                     float *out, int half) {
     int d0 = 0;
-    for (; d0 + 32 <= hd; d0 += 32) { /* 32 output dims per pass in four registers */
-        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+    for (; d0 + 64 <= hd; d0 += 64) { /* 64 output dims per pass: eight FMA chains */
+        __m256 o[8];
+        for (int r = 0; r < 8; r++) o[r] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const int64_t r = j * vs + d0;
+            const int64_t row = j * vs + d0;
             const __m256 pj = _mm256_set1_ps(p[j]);
-            o0 = _mm256_fmadd_ps(pj, y_ld_kv(v, r, half), o0);
-            o1 = _mm256_fmadd_ps(pj, y_ld_kv(v, r + 8, half), o1);
-            o2 = _mm256_fmadd_ps(pj, y_ld_kv(v, r + 16, half), o2);
-            o3 = _mm256_fmadd_ps(pj, y_ld_kv(v, r + 24, half), o3);
+            for (int r = 0; r < 8; r++) {
+                o[r] = _mm256_fmadd_ps(pj, y_ld_kv(v, row + 8 * r, half), o[r]);
+            }
         }
-        _mm256_storeu_ps(out + d0, o0);
-        _mm256_storeu_ps(out + d0 + 8, o1);
-        _mm256_storeu_ps(out + d0 + 16, o2);
-        _mm256_storeu_ps(out + d0 + 24, o3);
+        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + d0 + 8 * r, o[r]);
     }
     for (; d0 + 8 <= hd; d0 += 8) {
         __m256 o = _mm256_setzero_ps();
@@ -642,6 +661,16 @@ T256 static void y_pv_sum(const float *p, const float *v, int64_t vs, int64_t n,
 T256 static void y_pv_sum_f16(const float *p, const uint16_t *v, int64_t vs, int64_t n, int hd,
                               float *out) {
     y_pv_sum_kv(p, v, vs, n, hd, out, 1);
+}
+
+T256 static void y_f16_to_f32(const uint16_t *x, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    }
+    for (; i < n; i++) {
+        y[i] = lm_f16(x + i);
+    }
 }
 
 T256 static void y_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
@@ -1064,6 +1093,7 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->qk_scores_f16 = y_qk_scores_f16;
     k->pv_sum_f16 = y_pv_sum_f16;
     k->f32_to_f16 = y_f32_to_f16;
+    k->f16_to_f32 = y_f16_to_f32;
     k->quant_x16 = y_quant_x16;
 #define SET_DOTQ(name, type, blk, qk) k->dotq[type] = y_dotq_##name;
     LM_BLOCK_TYPES(SET_DOTQ)

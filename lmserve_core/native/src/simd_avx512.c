@@ -4,7 +4,8 @@
  *
  * Every type decodes 32-element groups into two 16-lane vectors. Dequantization (and so the
  * GEMM panels) uses the portable decoder's float operations, bit for bit; dot products fold
- * the scale and offset into one FMA, then FMA the decoded weights with x.
+ * the scale and offset into one FMA, then FMA the decoded weights with x. Attention rows keep
+ * the AVX2 kernels, whose f32 and f16 variants run the same float operations.
  */
 #include "lm_internal.h"
 
@@ -456,99 +457,6 @@ T512 static void z_gelu_mul(float *out, const float *gate, const float *up, int6
     z_sigmoid_mul(out, gate, up, n, 1);
 }
 
-/* ------------------------------------------------------------------ attention rows */
-/* Four dot products reduced together: 16 lanes x 4 -> the 4 sums. */
-T512 static inline __m128 z_reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    /* each 128-bit lane now holds partial sums of (a0, a1, a2, a3) */
-    const __m512 s = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), hi);
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-T512 static float z_qk_scores(const float *q, const float *k, int64_t ks, int64_t n, int hd,
-                              float scale, float *s) {
-    float mx = -INFINITY;
-    int64_t j = 0;
-    if (hd % 16 == 0) {
-        const __m128 vs = _mm_set1_ps(scale);
-        __m128 vmx = _mm_set1_ps(-INFINITY);
-        for (; j + 4 <= n; j += 4) {
-            const float *k0 = k + j * ks;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int d = 0; d < hd; d += 16) {
-                const __m512 qv = _mm512_loadu_ps(q + d);
-                a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
-                a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + ks + d), a1);
-                a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 2 * ks + d), a2);
-                a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 3 * ks + d), a3);
-            }
-            const __m128 r = _mm_mul_ps(z_reduce4(a0, a1, a2, a3), vs);
-            vmx = _mm_max_ps(vmx, r);
-            _mm_storeu_ps(s + j, r);
-        }
-        vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
-        vmx = _mm_max_ss(vmx, _mm_movehdup_ps(vmx));
-        mx = _mm_cvtss_f32(vmx);
-    }
-    for (; j < n; j++) {
-        s[j] = z_vdot_f32(q, k + j * ks, hd) * scale;
-        mx = s[j] > mx ? s[j] : mx;
-    }
-    return mx;
-}
-
-T512 static void z_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int hd,
-                          float *out) {
-    /* 64 output dims per pass stay in four registers across all keys */
-    for (int d0 = 0; d0 < hd; d0 += 64) {
-        const int w = hd - d0 < 64 ? hd - d0 : 64;
-        __mmask16 m[4];
-        for (int c = 0; c < 4; c++) {
-            const int left = w - 16 * c;
-            m[c] = left >= 16 ? (__mmask16)0xFFFF
-                   : left > 0 ? (__mmask16)((1u << left) - 1)
-                              : (__mmask16)0;
-        }
-        /* two keys per step into separate accumulators: eight FMA chains in flight */
-        __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-        __m512 e0 = o0, e1 = o0, e2 = o0, e3 = o0;
-        int64_t j = 0;
-        for (; j + 2 <= n; j += 2) {
-            const float *vr = v + j * vs + d0;
-            const __m512 pj = _mm512_set1_ps(p[j]), pk = _mm512_set1_ps(p[j + 1]);
-            o0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[0], vr), o0);
-            o1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[1], vr + 16), o1);
-            o2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[2], vr + 32), o2);
-            o3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[3], vr + 48), o3);
-            e0 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[0], vr + vs), e0);
-            e1 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[1], vr + vs + 16), e1);
-            e2 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[2], vr + vs + 32), e2);
-            e3 = _mm512_fmadd_ps(pk, _mm512_maskz_loadu_ps(m[3], vr + vs + 48), e3);
-        }
-        if (j < n) {
-            const float *vr = v + j * vs + d0;
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            o0 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[0], vr), o0);
-            o1 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[1], vr + 16), o1);
-            o2 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[2], vr + 32), o2);
-            o3 = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[3], vr + 48), o3);
-        }
-        o0 = _mm512_add_ps(o0, e0);
-        o1 = _mm512_add_ps(o1, e1);
-        o2 = _mm512_add_ps(o2, e2);
-        o3 = _mm512_add_ps(o3, e3);
-        _mm512_mask_storeu_ps(out + d0, m[0], o0);
-        _mm512_mask_storeu_ps(out + d0 + 16, m[1], o1);
-        _mm512_mask_storeu_ps(out + d0 + 32, m[2], o2);
-        _mm512_mask_storeu_ps(out + d0 + 48, m[3], o3);
-    }
-}
-
 /* ------------------------------------------------------------------ GEMM micro-kernel
  * 32 weight rows (two vectors) x 12 tokens (broadcasts): 24 accumulators of 32 registers. */
 #define Z_MR 32
@@ -623,8 +531,6 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->exp_sum = z_exp_sum;
     k->silu_mul = z_silu_mul;
     k->gelu_mul = z_gelu_mul;
-    k->qk_scores = z_qk_scores;
-    k->pv_sum = z_pv_sum;
 }
 #undef T512
 #undef z_scales_q4_0

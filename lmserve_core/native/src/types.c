@@ -348,24 +348,38 @@ static void p_pv_sum(const float *p, const float *v, int64_t vs, int64_t n, int 
     }
 }
 
-/* f16 rows: each key / value row is decoded once into a stack buffer, then the f32 path. */
-#define P_HD_MAX 1024
+static void p_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = lm_float_to_half(x[i]);
+    }
+}
+
+static void p_f16_to_f32(const uint16_t *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = lm_f16(x + i);
+    }
+}
+
+/* f16 rows: the f32 operations on the exactly widened values, so both give the same bits. */
+static float p_dot_kv_f16(const float *a, const uint16_t *b, int64_t n) {
+    float acc[8] = {0}, t[8];
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        p_f16_to_f32(b + i, t, 8);
+        p_acc8(acc, a + i, t, 8);
+    }
+    float s = p_sum8(acc);
+    for (; i < n; i++) {
+        s += a[i] * lm_f16(b + i);
+    }
+    return s;
+}
 
 static float p_qk_scores_f16(const float *q, const uint16_t *k, int64_t ks, int64_t n, int hd,
                              float scale, float *s) {
-    float row[P_HD_MAX];
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        const uint16_t *kr = k + j * ks;
-        float acc = 0.0f;
-        for (int d0 = 0; d0 < hd; d0 += P_HD_MAX) {
-            const int w = hd - d0 < P_HD_MAX ? hd - d0 : P_HD_MAX;
-            for (int d = 0; d < w; d++) {
-                row[d] = lm_f16(kr + d0 + d);
-            }
-            acc += p_dot_f32(q + d0, row, w);
-        }
-        s[j] = acc * scale;
+        s[j] = p_dot_kv_f16(q, k + j * ks, hd) * scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     return mx;
@@ -375,18 +389,9 @@ static void p_pv_sum_f16(const float *p, const uint16_t *v, int64_t vs, int64_t 
                          float *out) {
     memset(out, 0, (size_t)hd * sizeof(float));
     for (int64_t j = 0; j < n; j++) {
-        const uint16_t *vr = v + j * vs;
         for (int d = 0; d < hd; d++) {
-            out[d] += p[j] * lm_f16(vr + d);
+            out[d] += p[j] * lm_f16(v + j * vs + d);
         }
-    }
-}
-
-#undef P_HD_MAX
-
-static void p_f32_to_f16(const float *x, uint16_t *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        y[i] = lm_float_to_half(x[i]);
     }
 }
 
@@ -435,6 +440,7 @@ void lm_kernels_portable(lm_kernels *k) {
     k->qk_scores_f16 = p_qk_scores_f16;
     k->pv_sum_f16 = p_pv_sum_f16;
     k->f32_to_f16 = p_f32_to_f16;
+    k->f16_to_f32 = p_f16_to_f32;
     lm_kernels_portable_i16(k);
 }
 
