@@ -24,7 +24,7 @@ import numpy as np
 from .model import ForwardModel, KVCache
 
 # Most drafts verified in one pass: with the sampled token, 7 rows, which keeps the
-# verification on decode's kernels (fewer than 8 query rows: the same attention path as
+# verification on decode's kernels (fewer than 16 query rows: the same attention path as
 # one token; fewer than 32: the same int16 products), so its logits are bit for bit those
 # of plain decoding and greedy output is byte-identical.
 MAX_DRAFT = 6

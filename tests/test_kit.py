@@ -140,7 +140,7 @@ def test_attention_over_f16_cache_equals_f32_attention_on_rounded_rows(
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
-@pytest.mark.parametrize("chunk", [1, 3, 8, 13])  # decode path, few tokens, tiled prefill
+@pytest.mark.parametrize("chunk", [1, 3, 8, 13, 20])  # decode path, few tokens, tiled prefill
 def test_ring_cache_attends_like_full_rows(
     kv_type: str, chunk: int, isa: Any, rng: np.random.Generator
 ) -> None:

@@ -52,8 +52,9 @@ typedef struct {
     size_t per_thread_sz;
 } attn_ctx;
 
-/* Below this many query tokens the per-(token, head) path is used. */
-#define ATTN_TILED_MIN_TOKENS 8
+/* Below this many query tokens the chunk path is used: with the rows of a chunk shared by
+ * its tokens it stays ahead of packing every key for the GEMM up to about 16 tokens. */
+#define ATTN_TILED_MIN_TOKENS 16
 
 static inline int64_t window_lo(const attn_ctx *c, int64_t pos) {
     return c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
