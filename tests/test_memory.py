@@ -107,3 +107,41 @@ def test_backend_keeps_the_slots_the_guard_allows(
         assert "clamped" in out
     elif available is not None and available < 16 * 2**20:
         assert "more than half" in out
+
+
+def test_server_keeps_the_slots_that_fit_in_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A real server asked for more KV slots than the machine's memory holds starts with the
+    # slots that fit in half of it, says so, and serves.
+    import json
+
+    import httpx
+    from models import smollm2_path
+    from processes import API_KEY, launch
+
+    from lmserve_core.memory import available
+
+    avail = available()
+    if avail is None:
+        pytest.skip("the system does not report its available memory")
+    # SmolLM2 at 8192 positions: 30 layers of 3 kv heads of 64 f16 keys and values a position
+    per_slot = 8192 * 30 * 2 * 3 * 64 * 2
+    wanted = 2 * avail // per_slot + 2
+    running = launch(str(smollm2_path()), "--ctx", "8192", "--threads", "2", "--kv-slots",
+                     str(wanted), scripted=False, log_dir=tmp_path, timeout=120)
+    try:
+        reply = httpx.post(
+            running.base_url + "/v1/chat/completions", timeout=120,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={"model": "m", "max_tokens": 4,
+                  "messages": [{"role": "user", "content": "Hello"}]},
+        )
+        assert reply.status_code == 200, reply.text
+        log = running.log_text()
+    finally:
+        running.stop()
+    events = [json.loads(ln) for ln in log.splitlines() if ln.startswith("{")]
+    event = next(e for e in events if e.get("event") == "kv_memory")
+    assert event["verdict"] == "clamped" and event["bytes_per_slot"] == per_slot
+    assert event["slots"] == wanted
+    kept, seen = event["kept_slots"], event["available_bytes"]
+    assert 1 <= kept < wanted and kept * per_slot <= seen // 2 < (kept + 1) * per_slot
