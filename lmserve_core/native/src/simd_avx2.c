@@ -627,6 +627,19 @@ T256 static inline void y_pv_sum_kv(const float *p, const void *v, int64_t vs, i
         }
         for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + d0 + 8 * r, o[r]);
     }
+    /* every pass sums each dim over the keys in order: its width changes no bits */
+    for (; d0 + 32 <= hd; d0 += 32) {
+        __m256 o[4];
+        for (int r = 0; r < 4; r++) o[r] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t row = j * vs + d0;
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int r = 0; r < 4; r++) {
+                o[r] = _mm256_fmadd_ps(pj, y_ld_kv(v, row + 8 * r, half), o[r]);
+            }
+        }
+        for (int r = 0; r < 4; r++) _mm256_storeu_ps(out + d0 + 8 * r, o[r]);
+    }
     for (; d0 + 8 <= hd; d0 += 8) {
         __m256 o = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
