@@ -612,41 +612,30 @@ T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t k
     return mx;
 }
 
+/* out[d0 .. d0 + 8 nv) = sum_j p[j] v[j][...]: nv FMA chains, each dim summed over the keys
+ * in order (so a pass's width changes no bits). */
+T256 static inline __attribute__((always_inline)) void y_pv_pass(const float *p, const void *v,
+                                                                 int64_t vs, int64_t n, int d0,
+                                                                 float *out, int half,
+                                                                 const int nv) {
+    __m256 o[8];
+    for (int r = 0; r < nv; r++) o[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t row = j * vs + d0;
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int r = 0; r < nv; r++) {
+            o[r] = _mm256_fmadd_ps(pj, y_ld_kv(v, row + 8 * r, half), o[r]);
+        }
+    }
+    for (int r = 0; r < nv; r++) _mm256_storeu_ps(out + d0 + 8 * r, o[r]);
+}
+
 T256 static inline void y_pv_sum_kv(const float *p, const void *v, int64_t vs, int64_t n, int hd,
                                     float *out, int half) {
     int d0 = 0;
-    for (; d0 + 64 <= hd; d0 += 64) { /* 64 output dims per pass: eight FMA chains */
-        __m256 o[8];
-        for (int r = 0; r < 8; r++) o[r] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t row = j * vs + d0;
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            for (int r = 0; r < 8; r++) {
-                o[r] = _mm256_fmadd_ps(pj, y_ld_kv(v, row + 8 * r, half), o[r]);
-            }
-        }
-        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + d0 + 8 * r, o[r]);
-    }
-    /* every pass sums each dim over the keys in order: its width changes no bits */
-    for (; d0 + 32 <= hd; d0 += 32) {
-        __m256 o[4];
-        for (int r = 0; r < 4; r++) o[r] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t row = j * vs + d0;
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            for (int r = 0; r < 4; r++) {
-                o[r] = _mm256_fmadd_ps(pj, y_ld_kv(v, row + 8 * r, half), o[r]);
-            }
-        }
-        for (int r = 0; r < 4; r++) _mm256_storeu_ps(out + d0 + 8 * r, o[r]);
-    }
-    for (; d0 + 8 <= hd; d0 += 8) {
-        __m256 o = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), y_ld_kv(v, j * vs + d0, half), o);
-        }
-        _mm256_storeu_ps(out + d0, o);
-    }
+    for (; d0 + 64 <= hd; d0 += 64) y_pv_pass(p, v, vs, n, d0, out, half, 8);
+    for (; d0 + 32 <= hd; d0 += 32) y_pv_pass(p, v, vs, n, d0, out, half, 4);
+    for (; d0 + 8 <= hd; d0 += 8) y_pv_pass(p, v, vs, n, d0, out, half, 1);
     for (; d0 < hd; d0++) {
         float o = 0.0f;
         for (int64_t j = 0; j < n; j++) {
