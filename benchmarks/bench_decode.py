@@ -146,7 +146,8 @@ def bench_llama_cpp(
 ) -> dict[str, float]:
     out = subprocess.run(
         [binary, "-m", str(path), "-t", str(threads), "-p", str(0 if depth else n_prompt),
-         "-n", str(n_gen), "-d", str(depth), "-r", str(reps), "-o", "json"],
+         "-n", str(n_gen), "-r", str(reps), "-o", "json",
+         *(["-d", str(depth)] if depth else [])],  # older builds lack -d
         capture_output=True, text=True, check=True,
     )
     result = {}
