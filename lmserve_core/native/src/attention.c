@@ -71,6 +71,11 @@ static inline int64_t key_row(const attn_ctx *c, int64_t pos) {
     return c->ring > 0 ? pos % c->ring : pos;
 }
 
+/* Index of head kvh's first element in the row of position pos. */
+static inline int64_t row_index(const attn_ctx *c, int kvh, int64_t pos) {
+    return key_row(c, pos) * c->kv_stride + (int64_t)kvh * c->head_dim;
+}
+
 #define LOAD_AHEAD 32 /* rows prefetched ahead of the one being converted */
 
 /* Head kvh's rows of positions a .. b of cache `base` into dst as f32 (head_dim apart). */
@@ -81,13 +86,12 @@ static void load_rows(const attn_ctx *c, const uint8_t *base, int kvh, int64_t a
     for (int64_t p = a; p <= b; p++, dst += hd) {
         if (p + LOAD_AHEAD <= b) {
             /* the rows are strided: keep several in flight */
-            const uint8_t *next =
-                base + (key_row(c, p + LOAD_AHEAD) * c->kv_stride + (int64_t)kvh * hd) * esz;
+            const uint8_t *next = base + row_index(c, kvh, p + LOAD_AHEAD) * esz;
             for (int64_t off = 0; off < hd * esz; off += 64) {
                 __builtin_prefetch(next + off, 0, 3);
             }
         }
-        const int64_t idx = key_row(c, p) * c->kv_stride + (int64_t)kvh * hd;
+        const int64_t idx = row_index(c, kvh, p);
         if (c->kv_type == LM_F16) {
             c->k->f16_to_f32((const uint16_t *)base + idx, dst, hd);
         } else {
@@ -127,7 +131,7 @@ static float run_scores(const attn_ctx *c, const kv_src *src, const float *qv, i
     if (src->rows != NULL) {
         return c->k->qk_scores(qv, src->rows + (pos - src->a) * hd, hd, len, hd, c->scale, s);
     }
-    const int64_t idx = key_row(c, pos) * c->kv_stride + (int64_t)src->kvh * hd;
+    const int64_t idx = row_index(c, src->kvh, pos);
     return c->kv_type == LM_F16
                ? c->k->qk_scores_f16(qv, (const uint16_t *)src->base + idx, c->kv_stride, len,
                                      hd, c->scale, s)
@@ -142,7 +146,7 @@ static void run_values(const attn_ctx *c, const kv_src *src, const float *p, int
         c->k->pv_sum(p, src->rows + (pos - src->a) * hd, hd, len, hd, out);
         return;
     }
-    const int64_t idx = key_row(c, pos) * c->kv_stride + (int64_t)src->kvh * hd;
+    const int64_t idx = row_index(c, src->kvh, pos);
     if (c->kv_type == LM_F16) {
         c->k->pv_sum_f16(p, (const uint16_t *)src->base + idx, c->kv_stride, len, hd, out);
     } else {
@@ -178,6 +182,13 @@ static void chunk_values(const attn_ctx *c, const kv_src *src, const float *p, i
  * below it the copy costs more than it saves. */
 #define WIDEN_MIN_QUERIES 8
 
+/* The partials of token t, chunk kc, for the first head of kv head kvh's group (the next
+ * heads follow n_kc * (head_dim + 2) apart). */
+static inline float *group_part(const attn_ctx *c, int64_t t, int kvh, int64_t kc) {
+    const int64_t head = t * c->n_head + (int64_t)kvh * (c->n_head / c->n_kv_head);
+    return c->part + (head * c->n_kc + kc) * (c->head_dim + 2);
+}
+
 static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
     const attn_ctx *c = arg;
     const lm_kernels *k = c->k;
@@ -207,8 +218,7 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
             src.rows = rows;
         }
         for (int64_t t = t0; t < t1; t++) {
-            float *part0 =
-                c->part + ((t * c->n_head + (int64_t)kvh * group) * c->n_kc + kc) * (hd + 2);
+            float *part0 = group_part(c, t, kvh, kc);
             token_keys(c, t, c0, &lo, &hi);
             const int64_t n = hi - lo + 1;
             for (int g = 0; g < group; g++) {
@@ -241,8 +251,7 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
             load_rows(c, c->vc, kvh, a, b, rows);
         }
         for (int64_t t = t0; t < t1; t++) {
-            float *part0 =
-                c->part + ((t * c->n_head + (int64_t)kvh * group) * c->n_kc + kc) * (hd + 2);
+            float *part0 = group_part(c, t, kvh, kc);
             token_keys(c, t, c0, &lo, &hi);
             for (int g = 0; hi >= lo && g < group; g++) {
                 chunk_values(c, &src, sc + ((t - t0) * group + g) * c->chunk, lo, hi - lo + 1,

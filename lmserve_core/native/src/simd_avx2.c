@@ -554,6 +554,26 @@ T256 static inline __m128 y_sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* Scores of keys j .. j + nk - 1 (nk 4 or 8) into s; returns vmx with their maximum. */
+T256 static inline __attribute__((always_inline)) __m128 y_qk_block(
+    const float *q, const void *k, int64_t j, int64_t ks, int hd, __m128 vs, float *s,
+    __m128 vmx, int half, const int nk) {
+    __m256 a[8];
+    for (int r = 0; r < nk; r++) a[r] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int r = 0; r < nk; r++) {
+            a[r] = _mm256_fmadd_ps(qv, y_ld_kv(k, (j + r) * ks + d, half), a[r]);
+        }
+    }
+    for (int r = 0; r < nk; r += 4) {
+        const __m128 sc = _mm_mul_ps(y_sum4(a[r], a[r + 1], a[r + 2], a[r + 3]), vs);
+        vmx = _mm_max_ps(vmx, sc);
+        _mm_storeu_ps(s + j + r, sc);
+    }
+    return vmx;
+}
+
 T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t ks, int64_t n,
                                         int hd, float scale, float *s, int half) {
     float mx = -INFINITY;
@@ -561,37 +581,9 @@ T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t k
     if (hd % 8 == 0) {
         const __m128 vs = _mm_set1_ps(scale);
         __m128 vmx = _mm_set1_ps(-INFINITY);
-        /* eight keys at a time: eight FMA chains in flight */
-        for (; j + 8 <= n; j += 8) {
-            const int64_t k0 = j * ks;
-            __m256 a[8];
-            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-            for (int d = 0; d < hd; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                for (int r = 0; r < 8; r++) {
-                    a[r] = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + r * ks + d, half), a[r]);
-                }
-            }
-            const __m128 r0 = _mm_mul_ps(y_sum4(a[0], a[1], a[2], a[3]), vs);
-            const __m128 r1 = _mm_mul_ps(y_sum4(a[4], a[5], a[6], a[7]), vs);
-            vmx = _mm_max_ps(vmx, _mm_max_ps(r0, r1));
-            _mm_storeu_ps(s + j, r0);
-            _mm_storeu_ps(s + j + 4, r1);
-        }
-        for (; j + 4 <= n; j += 4) {
-            const int64_t k0 = j * ks;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int d = 0; d < hd; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + d, half), a0);
-                a1 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + ks + d, half), a1);
-                a2 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + 2 * ks + d, half), a2);
-                a3 = _mm256_fmadd_ps(qv, y_ld_kv(k, k0 + 3 * ks + d, half), a3);
-            }
-            const __m128 r = _mm_mul_ps(y_sum4(a0, a1, a2, a3), vs);
-            vmx = _mm_max_ps(vmx, r);
-            _mm_storeu_ps(s + j, r);
-        }
+        /* eight keys at a time (eight FMA chains in flight), then four */
+        for (; j + 8 <= n; j += 8) vmx = y_qk_block(q, k, j, ks, hd, vs, s, vmx, half, 8);
+        for (; j + 4 <= n; j += 4) vmx = y_qk_block(q, k, j, ks, hd, vs, s, vmx, half, 4);
         vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
         vmx = _mm_max_ss(vmx, _mm_movehdup_ps(vmx));
         mx = _mm_cvtss_f32(vmx);
