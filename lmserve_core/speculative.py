@@ -23,10 +23,10 @@ import numpy as np
 
 from .model import ForwardModel, KVCache
 
-# Most drafts verified in one pass: with the sampled token, 7 rows, which keeps the
-# verification on decode's kernels (fewer than 16 query rows: the same attention path as
-# one token; fewer than 32: the same int16 products), so its logits are bit for bit those
-# of plain decoding and greedy output is byte-identical.
+# Most drafts verified in one pass: with the sampled token, 7 rows. A pass must stay within
+# kernels.DECODE_MAX_ROWS (15) to keep the verification on decode's kernels, so that its
+# logits are bit for bit those of plain decoding and greedy output is byte-identical; 7
+# because a longer pass rarely pays for its rows (``Pace.best``).
 MAX_DRAFT = 6
 
 

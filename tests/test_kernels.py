@@ -371,11 +371,12 @@ def test_i16_rows_do_not_depend_on_the_batch_or_the_threads(qtype: QT, wide: boo
     K.select_decode_precision(K.DecodePrecision.I16)
     cols, rows = (wide_cols(qtype) if wide else 512), 83
     raw = make_rows(qtype, rows, cols, rng)
-    x = rng.standard_normal((13, cols), dtype=np.float32)
-    alone = np.stack([K.matmul(qtype, raw, rows, cols, x[t : t + 1])[0] for t in range(13)])
+    most = K.DECODE_MAX_ROWS
+    x = rng.standard_normal((most, cols), dtype=np.float32)
+    alone = np.stack([K.matmul(qtype, raw, rows, cols, x[t : t + 1])[0] for t in range(most)])
     for threads in (1, 2, 3):
         with K.Pool(threads) as pool:
-            for ntok in (2, 5, 13):
+            for ntok in (2, 5, 13, most):
                 got = K.matmul(qtype, raw, rows, cols, x[:ntok], pool=pool)
                 np.testing.assert_array_equal(got, alone[:ntok], err_msg=f"{threads} {ntok}")
 

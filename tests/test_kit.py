@@ -192,7 +192,7 @@ def test_decode_attention_of_a_token_does_not_depend_on_its_neighbours(
     # shared, widened once when enough queries use them); each token must get exactly the
     # bits it gets alone: greedy speculative decoding relies on it. Windowed layers on a
     # ring that wraps inside chunks, full layers over several chunks.
-    n_ctx, window, ntok = 700, 300, 7
+    n_ctx, window, ntok = 700, 300, K.DECODE_MAX_ROWS  # the most a verify pass may have
     ring = window + ntok - 1
     geometry = [(kv_heads, hd, hd, ring), (kv_heads, hd, hd)]
     k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
@@ -206,7 +206,7 @@ def test_decode_attention_of_a_token_does_not_depend_on_its_neighbours(
         for layer, win in ((0, window), (1, 0), (1, 40)):
             for p in (None, pool):
                 together = cache.attention(layer, q, pos0, 0.125, win, 0.0, p)
-                for first, n in ((0, 1), (0, 3), (2, 5), (6, 1)):
+                for first, n in ((0, 1), (0, 3), (2, 5), (6, 1), (7, 8), (ntok - 1, 1)):
                     part = cache.attention(layer, q[first : first + n], pos0 + first, 0.125,
                                            win, 0.0, p)
                     np.testing.assert_array_equal(part, together[first : first + n])

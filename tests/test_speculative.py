@@ -49,6 +49,13 @@ def test_prompt_lookup_proposes_what_followed_the_latest_repeat() -> None:
     assert drafter.propose(history, 0) == []
 
 
+def test_verify_passes_stay_on_decode_kernels() -> None:
+    # the sampled token and MAX_DRAFT drafts: rows whose logits are those of plain decoding
+    from lmserve_core.native import kernels
+
+    assert 1 + MAX_DRAFT <= kernels.DECODE_MAX_ROWS
+
+
 def test_pace_follows_the_acceptance_and_pauses_when_drafts_do_not_pay() -> None:
     assert Pace.best(0.95, MAX_DRAFT) == MAX_DRAFT
     assert Pace.best(0.2, MAX_DRAFT) == 0  # a verify row costs more than it brings

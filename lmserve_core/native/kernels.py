@@ -40,6 +40,10 @@ DecodePrecision.__doc__ = (
 )
 #: ``--decode-precision`` names of the precisions.
 DECODE_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
+#: Query rows a forward pass of one sequence may have and still run decode's kernels, which
+#: give each row the bits it gets in a pass of its own (``LM_DECODE_MAX_ROWS``; the C side
+#: checks its thresholds against it): speculative verification stays within it.
+DECODE_MAX_ROWS: int = int(lib.LM_DECODE_MAX_ROWS)
 
 #: Every GGML type id a weight matrix may have: what families accept for their matrices.
 MATRIX_TYPES: tuple[int, ...] = tuple(int(t) for t in QuantType)

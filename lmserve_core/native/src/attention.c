@@ -55,6 +55,8 @@ typedef struct {
 /* Below this many query tokens the chunk path is used: with the rows of a chunk shared by
  * its tokens it stays ahead of packing every key for the GEMM up to about 16 tokens. */
 #define ATTN_TILED_MIN_TOKENS 16
+_Static_assert(LM_DECODE_MAX_ROWS < ATTN_TILED_MIN_TOKENS,
+               "decode's rows must stay on the per-token path");
 
 static inline int64_t window_lo(const attn_ctx *c, int64_t pos) {
     return c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;

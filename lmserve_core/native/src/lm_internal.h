@@ -339,6 +339,8 @@ const lm_kernels *lm_kernels_active(void);
 /* Below this many tokens the fused per-row dot products (each block decoded once for up to
  * 8 tokens) beat decode + pack + GEMM. */
 #define LM_GEMM_MIN_TOKENS 32
+_Static_assert(LM_DECODE_MAX_ROWS < LM_GEMM_MIN_TOKENS,
+               "decode's rows must stay on the few-token products");
 
 /* Rows [r0, r1) of y (ntok, rows) = x (ntok, cols) . w^T on the calling thread (dot path);
  * with xq (x quantized by lm_quantize_acts) the integer products. */

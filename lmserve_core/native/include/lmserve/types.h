@@ -52,6 +52,11 @@ enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
  * instructions per weight; each value within max|group| / 65534 of the f32 one). */
 enum lm_decode_precision { LM_DECODE_F32 = 0, LM_DECODE_I16 = 1 };
 
+/* Query rows a forward pass of one sequence may have and still run decode's kernels: the
+ * per-token attention path and the few-token products, which give each row the bits it gets
+ * in a pass of its own. Speculative verification stays within it. */
+enum lm_decode_rows { LM_DECODE_MAX_ROWS = 15 };
+
 /* Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2). */
 enum lm_rope_mode { LM_ROPE_NORMAL = 0, LM_ROPE_NEOX = 2 };
 
