@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(default; faster), or f32 throughout (the reference path)",
     )
     g.add_argument(
+        "--weights",
+        choices=["auto", "copy", "map"],
+        default="auto",
+        help="where decode reads the weight matrices: copies in the process's memory on huge "
+        "pages while they fit in a quarter of the available memory, the rest from the mapped "
+        "file (auto, default); copies of all of them (copy); the mapped file (map)",
+    )
+    g.add_argument(
+        "--no-mmap",
+        dest="weights",
+        action="store_const",
+        const="copy",
+        help="the same as --weights copy",
+    )
+    g.add_argument(
         "--plugin",
         action="append",
         default=[],
@@ -245,6 +260,7 @@ def serve(args: argparse.Namespace) -> int:
 
     _check_ranges(args)
     memory.fix_mmap_threshold()
+    memory.set_weights_mode(args.weights)
     kernels.select_decode_precision(kernels.DECODE_PRECISIONS[args.decode_precision])
     spec, model = _pick_backend(args)
     settings = ServerSettings(

@@ -14,15 +14,23 @@ Elsewhere (another C library, another OS) both calls do nothing.
 
 :func:`available` and :func:`plan_kv_slots` are the RAM guard: the KV slots a server is
 asked for, priced at start-up against the memory the system has available.
+
+:class:`WeightArena` holds copies of a model's weights in the process's own memory, and
+:func:`set_weights_mode` (``--weights``) says when models make them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+import mmap
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 256 * 1024  # blocks from this size get their own mapping
@@ -89,3 +97,82 @@ def plan_kv_slots(per_slot: int, wanted: int, avail: int | None, *, force: bool)
     if force:
         return SlotPlan(wanted, "forced")
     return SlotPlan(max(1, min(wanted, (avail // 2) // per_slot)), "clamped")
+
+
+# ------------------------------------------------------------------ weights
+#: How models hold their weight matrices (``--weights``): "auto" copies them into the
+#: process's memory while the copies stay within a quarter of the memory available at load
+#: (the rest is read from the mapped file); "copy" copies all of them; "map" reads the mapped
+#: file in place.
+WEIGHT_MODES = ("auto", "copy", "map")
+_weights_mode = "auto"
+
+
+def set_weights_mode(mode: str) -> None:
+    """Choose how models loaded from now on hold their weights (one of WEIGHT_MODES)."""
+    global _weights_mode
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+    _weights_mode = mode
+
+
+def weights_mode() -> str:
+    """The mode set by :func:`set_weights_mode` ("auto" until then)."""
+    return _weights_mode
+
+
+class WeightArena:
+    """Anonymous memory for copies of a model's weights.
+
+    A decode step streams every weight once. Read through the file's mapping, in 4 KiB
+    pages, that is a TLB miss every 4 KiB; anonymous mappings advised ``MADV_HUGEPAGE`` are
+    backed by 2 MiB pages where the system allows it (Linux's transparent huge pages set to
+    "madvise" or "always"). Matrices are placed 64-byte aligned in mappings of ``CHUNK``
+    bytes, each started on a 2 MiB boundary; a matrix over a quarter of a chunk gets a
+    mapping of its own. Where anonymous mappings are not available, numpy allocates."""
+
+    CHUNK = 32 << 20
+    HUGE = 2 << 20
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._maps: list[Any] = []  # the mappings every array views
+        self._chunk: npt.NDArray[np.uint8] | None = None
+        self._used = 0
+        self.bytes = 0  # bytes handed out
+
+    def _mapping(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        private: int | None = getattr(mmap, "MAP_PRIVATE", None)
+        anonymous: int | None = getattr(mmap, "MAP_ANONYMOUS", None)
+        if private is None or anonymous is None:
+            return np.empty(nbytes, np.uint8)
+        # private: a shared anonymous mapping is shmem, which follows other huge-page rules
+        m = mmap.mmap(-1, nbytes + self.HUGE, flags=private | anonymous)
+        self._maps.append(m)
+        view = np.frombuffer(m, np.uint8)
+        start = -view.ctypes.data % self.HUGE
+        if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            # a kernel without transparent huge pages refuses: 4 KiB pages then
+            with contextlib.suppress(OSError):
+                m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)  # start: a page boundary
+        return view[start : start + nbytes]
+
+    def alloc(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """``nbytes`` writable bytes, 64-byte aligned, alive as long as the arena."""
+        nbytes = int(nbytes)
+        if nbytes > self.CHUNK // 4:
+            out = self._mapping(nbytes)
+        else:
+            if self._chunk is None or self._used + nbytes > self.CHUNK:
+                self._chunk, self._used = self._mapping(self.CHUNK), 0
+            out = self._chunk[self._used : self._used + nbytes]
+            self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.bytes += nbytes
+        return out
+
+    def copy(self, data: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+        """A copy of ``data``'s bytes in the arena."""
+        src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        out = self.alloc(src.nbytes)
+        out[:] = src
+        return out

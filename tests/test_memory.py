@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,25 +110,17 @@ def test_backend_keeps_the_slots_the_guard_allows(
         assert "more than half" in out
 
 
-def test_server_keeps_the_slots_that_fit_in_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # A real server asked for more KV slots than the machine's memory holds starts with the
-    # slots that fit in half of it, says so, and serves.
+def _serve_once(tmp_path, event: str, *flags: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Start lmserve on SmolLM2 with ``flags``, have it answer one chat, and return the
+    start-up log ``event``."""
     import json
 
     import httpx
     from models import smollm2_path
     from processes import API_KEY, launch
 
-    from lmserve_core.memory import available
-
-    avail = available()
-    if avail is None:
-        pytest.skip("the system does not report its available memory")
-    # SmolLM2 at 8192 positions: 30 layers of 3 kv heads of 64 f16 keys and values a position
-    per_slot = 8192 * 30 * 2 * 3 * 64 * 2
-    wanted = 2 * avail // per_slot + 2
-    running = launch(str(smollm2_path()), "--ctx", "8192", "--threads", "2", "--kv-slots",
-                     str(wanted), scripted=False, log_dir=tmp_path, timeout=120)
+    running = launch(str(smollm2_path()), "--threads", "2", *flags, scripted=False,
+                     log_dir=tmp_path, timeout=120)
     try:
         reply = httpx.post(
             running.base_url + "/v1/chat/completions", timeout=120,
@@ -140,8 +133,107 @@ def test_server_keeps_the_slots_that_fit_in_memory(tmp_path) -> None:  # type: i
     finally:
         running.stop()
     events = [json.loads(ln) for ln in log.splitlines() if ln.startswith("{")]
-    event = next(e for e in events if e.get("event") == "kv_memory")
+    return next(e for e in events if e.get("event") == event)
+
+
+def test_server_keeps_the_slots_that_fit_in_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A real server asked for more KV slots than the machine's memory holds starts with the
+    # slots that fit in half of it, says so, and serves.
+    from lmserve_core.memory import available
+
+    avail = available()
+    if avail is None:
+        pytest.skip("the system does not report its available memory")
+    # SmolLM2 at 8192 positions: 30 layers of 3 kv heads of 64 f16 keys and values a position
+    per_slot = 8192 * 30 * 2 * 3 * 64 * 2
+    wanted = 2 * avail // per_slot + 2
+    event = _serve_once(tmp_path, "kv_memory", "--ctx", "8192", "--kv-slots", str(wanted))
     assert event["verdict"] == "clamped" and event["bytes_per_slot"] == per_slot
     assert event["slots"] == wanted
     kept, seen = event["kept_slots"], event["available_bytes"]
     assert 1 <= kept < wanted and kept * per_slot <= seen // 2 < (kept + 1) * per_slot
+
+
+# ------------------------------------------------------------------ weights
+def test_weights_mode_is_one_of_three() -> None:
+    assert memory.weights_mode() == "auto"
+    try:
+        memory.set_weights_mode("copy")
+        assert memory.weights_mode() == "copy"
+        with pytest.raises(ValueError, match="auto, copy, map"):
+            memory.set_weights_mode("mlock")
+        assert memory.weights_mode() == "copy"
+    finally:
+        memory.set_weights_mode("auto")
+
+
+def test_weight_arena_places_aligned_copies_of_their_own() -> None:
+    rng = np.random.default_rng(0)
+    arena = memory.WeightArena()
+    small = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 100, 4096, 70_000)]
+    big = rng.integers(0, 256, arena.CHUNK // 4 + 1, dtype=np.uint8)  # a mapping of its own
+    sources = [*small, big]
+    copies = [arena.copy(a) for a in sources]
+    wants = [a.copy() for a in sources]
+    for a in sources:
+        a[:] = 0  # the arena holds bytes of its own
+    for copy, want in zip(copies, wants, strict=True):
+        assert copy.ctypes.data % arena.ALIGN == 0 and copy.flags.writeable
+        np.testing.assert_array_equal(copy, want)
+    spans = sorted((c.ctypes.data, c.ctypes.data + c.nbytes) for c in copies)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    assert arena.bytes == sum(c.nbytes for c in copies)
+    floats = arena.copy(np.arange(10, dtype=np.float32))  # any array: its bytes
+    assert floats.nbytes == 40 and floats.view(np.float32)[9] == 9.0
+
+
+def _thp_setting(name: str) -> str | None:
+    """The chosen value of a transparent huge page setting ("[madvise]" in the file)."""
+    try:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+@pytest.mark.skipif(
+    _thp_setting("enabled") not in ("madvise", "always")
+    or _thp_setting("defrag") not in ("madvise", "always", "defer+madvise"),
+    reason="no transparent huge pages, or none found at fault time",
+)
+def test_weight_arena_memory_is_backed_by_huge_pages() -> None:
+    arena = memory.WeightArena()
+    block = arena.alloc(16 << 20)
+    block[:] = 1  # commit every page
+    start = block.ctypes.data
+    assert start % arena.HUGE == 0
+    huge_kib, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(v, 16) for v in first.split("-"))
+                inside = lo <= start < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                huge_kib = int(line.split()[1])
+    # advised regions are compacted for at fault time: some of the eight are huge pages
+    assert huge_kib >= 2048
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode"), [(["--no-mmap"], "copy"), (["--weights", "map"], "map")],
+    ids=["no-mmap", "map"],
+)
+def test_server_reads_its_weights_where_told(tmp_path, flags: list[str], mode: str) -> None:  # type: ignore[no-untyped-def]
+    from models import smollm2_path
+
+    from lmserve_core.gguf_file import GGUFFile
+
+    with GGUFFile.open(smollm2_path()) as gguf:
+        matrices = sum(t.nbytes for t in gguf.tensors.values() if len(t.shape) == 2)
+    event = _serve_once(tmp_path, "weights", *flags)
+    assert event["mode"] == mode and event["relaid_bytes"] == 0  # SmolLM2: Q4_1 and Q8_0
+    where = "copied_bytes" if mode == "copy" else "mapped_bytes"
+    assert event[where] == matrices
+    assert event["copied_bytes"] + event["mapped_bytes"] == matrices

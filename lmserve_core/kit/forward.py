@@ -142,17 +142,26 @@ class NativeForwardModel:
         self.cache_layers: Any = None
         self.n_used_experts = 0  # > 0 for MoE models: routing can be traced
         self._keep: list[Any] = []  # buffers whose pointers C holds
-        self._relaid: dict[str, Any] = {}  # matrices copied into their decode layout
-        self._relay_budget: int | None = None  # bytes those copies may still take
-        self.relaid_bytes = 0
+        self._arena = memory.WeightArena()  # the matrices copied into process memory
+        self._resident: dict[str, tuple[Any, int]] = {}  # name: (copied bytes, their type)
+        self._relay_budget: int | None = None  # extra bytes relaid copies may still take
+        self._copy_budget: int | None = None  # bytes plain copies may still take
+        self.relaid_bytes = 0  # matrices rewritten into their decode layout
+        self.copied_bytes = 0  # matrices copied as they are
+        self.mapped_bytes = 0  # matrices read from the mapped file
         self._used: set[str] = set()
         self._base: Any = None
         self._lock = threading.Lock()  # the model's scratch serves one call at a time
         self.setup()
         if self._base is None:
             raise RuntimeError(f"{type(self).__name__}.setup did not build the native model")
-        if self._relaid:
-            log.info("weights_relaid", matrices=len(self._relaid), bytes=self.relaid_bytes)
+        log.info(
+            "weights",
+            mode=memory.weights_mode(),
+            copied_bytes=self.copied_bytes,
+            relaid_bytes=self.relaid_bytes,
+            mapped_bytes=self.mapped_bytes,
+        )
 
     @classmethod
     def load(
@@ -181,11 +190,10 @@ class NativeForwardModel:
     def matrix(self, field: Any, name: str, shape: tuple[int, ...]) -> TensorInfo:
         """Point an ``lm_matrix`` field at tensor ``name``, checked for type and shape.
 
-        A type of ``kernels.DECODE_LAYOUTS`` is rewritten once into its faster layout (the
-        same values, so every product is unchanged) while the copies stay within an eighth
-        of the memory available at load; past that the mapped file is used as it is."""
+        Where the products read it from is :meth:`_place`'s choice; a tensor named twice
+        (tied embeddings) is placed once."""
         info = self.gguf.require(name, ggml_types=kernels.MATRIX_TYPES, shape=shape)
-        data, ggml_type = self._decode_layout(info)
+        data, ggml_type = self._place(info)
         buf = self.ffi.from_buffer(data)
         self._keep.append(buf)
         field.data = self.ffi.cast("const void *", buf)
@@ -193,23 +201,53 @@ class NativeForwardModel:
         self._used.add(name)
         return info
 
-    def _decode_layout(self, info: TensorInfo) -> tuple[Any, int]:
+    def _place(self, info: TensorInfo) -> tuple[Any, int]:
+        """The bytes and type the products read for ``info``, the same values either way.
+
+        - A type of ``kernels.DECODE_LAYOUTS`` is rewritten once into its faster layout
+          while those copies' extra bytes stay within an eighth of the memory available at
+          load.
+        - Any other matrix is copied as it is into the process's memory
+          (:class:`memory.WeightArena`: huge pages, fewer TLB misses than the file's
+          mapping on every decode step) as ``memory.weights_mode()`` allows: "copy" always,
+          "auto" while the copies stay within a quarter of the memory available at load,
+          "map" never.
+        - Otherwise the mapped file is read in place."""
+        done = self._resident.get(info.name)
+        if done is not None:
+            return done
         to = kernels.DECODE_LAYOUTS.get(info.ggml_type)
-        if to is None:
-            return info.data, info.ggml_type
-        done = self._relaid.get(info.name)
-        if done is None:
-            extra = kernels.row_bytes(to, info.n_elements) - info.nbytes
+        if to is not None:
+            size = kernels.row_bytes(to, info.n_elements)
             if self._relay_budget is None:
-                avail = memory.available()
-                self._relay_budget = (avail if avail is not None else 2 << 30) // 8
-            if extra > self._relay_budget:
-                return info.data, info.ggml_type
-            self._relay_budget -= extra
-            done = kernels.convert_row(info.ggml_type, info.data, to, info.n_elements)
-            self._relaid[info.name] = done
-            self.relaid_bytes += done.nbytes
-        return done, to
+                self._relay_budget = self._memory_share(8)
+            if size - info.nbytes <= self._relay_budget:
+                self._relay_budget -= size - info.nbytes
+                out = kernels.convert_row(
+                    info.ggml_type, info.data, to, info.n_elements, out=self._arena.alloc(size)
+                )
+                self.relaid_bytes += size
+                done = self._resident[info.name] = (out, to)
+                return done
+        mode = memory.weights_mode()
+        if mode != "map":
+            if self._copy_budget is None:
+                self._copy_budget = self._memory_share(4)
+            if mode == "copy" or info.nbytes <= self._copy_budget:
+                self._copy_budget -= info.nbytes
+                self.copied_bytes += info.nbytes
+                done = self._resident[info.name] = (self._arena.copy(info.data), info.ggml_type)
+                return done
+        self.mapped_bytes += info.nbytes
+        done = self._resident[info.name] = (info.data, info.ggml_type)
+        return done
+
+    @staticmethod
+    def _memory_share(parts: int) -> int:
+        """A ``parts``-th of the memory available now (of 2 GiB where the system does not
+        say)."""
+        avail = memory.available()
+        return (avail if avail is not None else 2 << 30) // parts
 
     def floats(self, name: str, shape: tuple[int, ...]) -> Any:
         """A ``const float *`` to tensor ``name`` (norms, biases): used in place when stored
@@ -377,12 +415,17 @@ class NativeForwardModel:
             src.native.copy_to(dst.native, n)
 
     def close(self) -> None:
-        """Free the native model (pool, scratch); caches stay valid to free."""
+        """Free the native model (pool, scratch) and the weights' copies; caches stay valid
+        to free."""
         with self._lock:
             if self._base is not None:
                 self.ffi.release(self._base)
                 self._base = None
                 self._core = None
+                # nothing reads the weights any more: the copies may go
+                self._keep.clear()
+                self._resident.clear()
+                self._arena = memory.WeightArena()
 
     # ------------------------------------------------------------------ helpers
 

@@ -274,13 +274,24 @@ def dequantize_row(qtype: int, raw: npt.ArrayLike, n: int) -> F32Array:
     return out
 
 
-def convert_row(qtype: int, raw: npt.ArrayLike, to: int, n: int) -> npt.NDArray[np.uint8]:
+def convert_row(
+    qtype: int, raw: npt.ArrayLike, to: int, n: int, out: npt.NDArray[np.uint8] | None = None
+) -> npt.NDArray[np.uint8]:
     """The first ``n`` elements of a row of ``qtype`` blocks rewritten exactly as ``to``
-    (the pairs of :data:`DECODE_LAYOUTS`)."""
+    (the pairs of :data:`DECODE_LAYOUTS`), into ``out`` when given (contiguous uint8 of
+    exactly ``row_bytes(to, n)``)."""
     t, u = _type_id(qtype), _type_id(to)
     data = _raw(raw)
     _need(data, row_bytes(t, n), "convert_row")
-    out = np.empty(row_bytes(u, n), dtype=np.uint8)
+    if out is None:
+        out = np.empty(row_bytes(u, n), dtype=np.uint8)
+    elif (
+        out.dtype != np.uint8
+        or out.size != row_bytes(u, n)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(f"convert_row: out must be {row_bytes(u, n)} writable contiguous bytes")
     check(lib.lm_convert_row(t, _ubuf(data), u, _ubuf(out), int(n)), "convert_row")
     return out
 

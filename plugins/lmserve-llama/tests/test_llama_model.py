@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from lmserve_llama.config import LlamaConfig
 from lmserve_llama.model import LlamaModel
 from tiny_llama import TinySpec, reference_forward, write_tiny_llama
 
+from lmserve_core import memory
 from lmserve_core.gguf_file import GGUFError, GGUFFile
 
 
@@ -205,3 +207,54 @@ def test_model_reports_its_sizes(tmp_path: Path) -> None:
         model.forward(cache, [1], 0)
     with pytest.raises(RuntimeError, match="closed"):
         model.new_cache(4)
+
+
+@pytest.fixture
+def weights_mode() -> Iterator[Callable[[str], None]]:
+    yield memory.set_weights_mode
+    memory.set_weights_mode("auto")
+
+
+@pytest.mark.parametrize(
+    "matrix_type", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0], ids=["q8_0", "q5_0"]
+)
+def test_weights_copied_or_mapped_give_the_same_logits(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    weights_mode: Callable[[str], None],
+    matrix_type: GGMLQuantizationType,
+) -> None:
+    """``--weights``: the matrices read from copies in the process's memory, from the mapped
+    file, or some from each when the memory available holds only some copies: the same
+    bytes (Q5_0 relaid as Q8_0 either way), the same logits bit for bit."""
+    gguf, _ = open_tiny(tmp_path, TinySpec(tied=False, matrix_type=matrix_type, seed=5))
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, 128, 12)]
+    runs: dict[str, tuple[np.ndarray, LlamaModel]] = {}
+    for mode, avail in (("map", None), ("copy", None), ("auto", None), ("auto", 4 * 40_000)):
+        weights_mode(mode)
+        if avail is not None:
+            monkeypatch.setattr(memory, "available", lambda avail=avail: avail)
+        model = LlamaModel.load(gguf, n_threads=2)
+        runs[f"{mode} {avail}"] = (model.forward(model.new_cache(16), ids, 0, all_logits=True), model)
+    logits, mapped = runs["map None"]
+    for _, model in runs.values():
+        np.testing.assert_array_equal(
+            model.forward(model.new_cache(16), ids, 0, all_logits=True), logits
+        )
+    relaid = mapped.relaid_bytes
+    assert (relaid > 0) == (matrix_type == GGMLQuantizationType.Q5_0)
+    assert mapped.copied_bytes == 0
+    for name in ("copy None", "auto None"):  # auto: the tiny model fits many times over
+        model = runs[name][1]
+        assert model.mapped_bytes == 0 and model.relaid_bytes == relaid
+        assert model.copied_bytes == mapped.mapped_bytes  # each matrix once, tied or not
+    # a quarter of the memory available: 40,000 bytes of copies; an eighth: 20,000 bytes
+    # more for Q5_0 relaid, whose other matrices are then copied or read from the file
+    short = runs[f"auto {4 * 40_000}"][1]
+    assert 0 < short.copied_bytes <= 40_000
+    if relaid:
+        assert 0 < short.relaid_bytes < relaid
+    else:
+        assert short.mapped_bytes > 0
+    for _, model in runs.values():
+        model.close()

@@ -70,8 +70,9 @@ typedef struct lm_pool lm_pool;
 typedef struct lm_cache lm_cache;
 typedef void (*lm_task_fn)(void *ctx, int ith, int nth);
 
-/* A weight matrix as mapped from the GGUF: rows x cols of `type`, row-major, each row
- * lm_row_bytes(type, cols) bytes. A 3-D expert tensor is n_expert such matrices in a row. */
+/* A weight matrix (the GGUF's bytes, mapped or copied): rows x cols of `type`, row-major,
+ * each row lm_row_bytes(type, cols) bytes. A 3-D expert tensor is n_expert such matrices in
+ * a row. */
 typedef struct lm_matrix {
     const void *data;
     int type;
