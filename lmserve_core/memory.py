@@ -121,6 +121,23 @@ def weights_mode() -> str:
     return _weights_mode
 
 
+def release_pages(data: npt.NDArray[Any]) -> bool:
+    """Drop the pages of ``data``, a view of a read-only file mapping, from the process's
+    resident set (Linux ``MADV_DONTNEED``; the pages whole inside it). They stay in the
+    system's page cache and fault back in if read again. True when the system took it."""
+    libc = _libc()
+    if libc is None or not hasattr(mmap, "MADV_DONTNEED") or data.nbytes == 0:
+        return False
+    page = mmap.PAGESIZE
+    addr = int(data.ctypes.data)
+    start = -(-addr // page) * page
+    end = (addr + data.nbytes) // page * page
+    if end <= start:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return bool(libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0)
+
+
 class WeightArena:
     """Anonymous memory for copies of a model's weights.
 

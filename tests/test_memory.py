@@ -221,6 +221,30 @@ def test_weight_arena_memory_is_backed_by_huge_pages() -> None:
     assert huge_kib >= 2048
 
 
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssFile line")
+
+
+@glibc
+def test_released_pages_leave_the_resident_set_and_read_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # What a copied matrix's file pages go through: out of the resident set (so the copy is
+    # not counted twice), still readable from the page cache.
+    path = tmp_path / "w.bin"
+    want = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    want.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r")
+    assert int(mapped.sum(dtype=np.uint64)) == int(want.sum(dtype=np.uint64))  # every page in
+    before = _rss_file_kib()
+    assert memory.release_pages(mapped[100 : 100 + (48 << 20)])
+    assert before - _rss_file_kib() >= 40 << 10  # ~48 MiB of it, less the edge pages
+    np.testing.assert_array_equal(mapped, want)
+    assert not memory.release_pages(mapped[10:20])  # no whole page inside
+
+
 @pytest.mark.parametrize(
     ("flags", "mode"), [(["--no-mmap"], "copy"), (["--weights", "map"], "map")],
     ids=["no-mmap", "map"],

@@ -226,6 +226,7 @@ class NativeForwardModel:
                 out = kernels.convert_row(
                     info.ggml_type, info.data, to, info.n_elements, out=self._arena.alloc(size)
                 )
+                memory.release_pages(info.data)
                 self.relaid_bytes += size
                 done = self._resident[info.name] = (out, to)
                 return done
@@ -237,6 +238,7 @@ class NativeForwardModel:
                 self._copy_budget -= info.nbytes
                 self.copied_bytes += info.nbytes
                 done = self._resident[info.name] = (self._arena.copy(info.data), info.ggml_type)
+                memory.release_pages(info.data)  # not counted twice in the resident set
                 return done
         self.mapped_bytes += info.nbytes
         done = self._resident[info.name] = (info.data, info.ggml_type)
