@@ -16,12 +16,17 @@ glibc = pytest.mark.skipif(
 )
 
 
-def _anon_kib() -> int:
-    with open("/proc/self/smaps_rollup") as f:
+def _kib(field: str, path: str = "/proc/self/smaps_rollup") -> int:
+    """A ``field:`` line of a /proc file, in KiB."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("Anonymous:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise AssertionError("no Anonymous line")
+    raise AssertionError(f"no {field} line in {path}")
+
+
+def _anon_kib() -> int:
+    return _kib("Anonymous")
 
 
 @glibc
@@ -222,11 +227,7 @@ def test_weight_arena_memory_is_backed_by_huge_pages() -> None:
 
 
 def _rss_file_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssFile:"):
-                return int(line.split()[1])
-    raise AssertionError("no RssFile line")
+    return _kib("RssFile", "/proc/self/status")
 
 
 @glibc
