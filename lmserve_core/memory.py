@@ -124,9 +124,12 @@ def weights_mode() -> str:
 def release_pages(data: npt.NDArray[Any]) -> bool:
     """Drop the pages of ``data``, a view of a read-only file mapping, from the process's
     resident set (Linux ``MADV_DONTNEED``; the pages whole inside it). They stay in the
-    system's page cache and fault back in if read again. True when the system took it."""
+    system's page cache and fault back in if read again. True when the system took it.
+    Writable arrays are refused: on the process's own memory the call would zero it."""
     libc = _libc()
     if libc is None or not hasattr(mmap, "MADV_DONTNEED") or data.nbytes == 0:
+        return False
+    if data.flags.writeable:
         return False
     page = mmap.PAGESIZE
     addr = int(data.ctypes.data)

@@ -244,6 +244,8 @@ def test_released_pages_leave_the_resident_set_and_read_back(tmp_path) -> None: 
     assert before - _rss_file_kib() >= 40 << 10  # ~48 MiB of it, less the edge pages
     np.testing.assert_array_equal(mapped, want)
     assert not memory.release_pages(mapped[10:20])  # no whole page inside
+    own = np.ones(1 << 20, np.uint8)
+    assert not memory.release_pages(own) and own.all()  # the process's own memory: refused
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ class NativeForwardModel:
         self.n_used_experts = 0  # > 0 for MoE models: routing can be traced
         self._keep: list[Any] = []  # buffers whose pointers C holds
         self._arena = memory.WeightArena()  # the matrices copied into process memory
-        self._resident: dict[str, tuple[Any, int]] = {}  # name: (copied bytes, their type)
+        self._resident: dict[str, tuple[Any, int]] = {}  # name: (the bytes read, their type)
         self._relay_budget: int | None = None  # extra bytes relaid copies may still take
         self._copy_budget: int | None = None  # bytes plain copies may still take
         self.relaid_bytes = 0  # matrices rewritten into their decode layout
