@@ -229,15 +229,15 @@ def test_weights_copied_or_mapped_give_the_same_logits(
     bytes (Q5_0 relaid as Q8_0 either way), the same logits bit for bit."""
     gguf, _ = open_tiny(tmp_path, TinySpec(tied=False, matrix_type=matrix_type, seed=5))
     ids = [int(t) for t in np.random.default_rng(5).integers(0, 128, 12)]
-    runs: dict[str, tuple[np.ndarray, LlamaModel]] = {}
+    runs: dict[str, LlamaModel] = {}
     for mode, avail in (("map", None), ("copy", None), ("auto", None), ("auto", 4 * 40_000)):
         weights_mode(mode)
         if avail is not None:
             monkeypatch.setattr(memory, "available", lambda avail=avail: avail)
-        model = LlamaModel.load(gguf, n_threads=2)
-        runs[f"{mode} {avail}"] = (model.forward(model.new_cache(16), ids, 0, all_logits=True), model)
-    logits, mapped = runs["map None"]
-    for _, model in runs.values():
+        runs[f"{mode} {avail}"] = LlamaModel.load(gguf, n_threads=2)
+    mapped = runs["map None"]
+    logits = mapped.forward(mapped.new_cache(16), ids, 0, all_logits=True)
+    for model in runs.values():
         np.testing.assert_array_equal(
             model.forward(model.new_cache(16), ids, 0, all_logits=True), logits
         )
@@ -245,16 +245,16 @@ def test_weights_copied_or_mapped_give_the_same_logits(
     assert (relaid > 0) == (matrix_type == GGMLQuantizationType.Q5_0)
     assert mapped.copied_bytes == 0
     for name in ("copy None", "auto None"):  # auto: the tiny model fits many times over
-        model = runs[name][1]
+        model = runs[name]
         assert model.mapped_bytes == 0 and model.relaid_bytes == relaid
         assert model.copied_bytes == mapped.mapped_bytes  # each matrix once, tied or not
     # a quarter of the memory available: 40,000 bytes of copies; an eighth: 20,000 bytes
     # more for Q5_0 relaid, whose other matrices are then copied or read from the file
-    short = runs[f"auto {4 * 40_000}"][1]
+    short = runs[f"auto {4 * 40_000}"]
     assert 0 < short.copied_bytes <= 40_000
     if relaid:
         assert 0 < short.relaid_bytes < relaid
     else:
         assert short.mapped_bytes > 0
-    for _, model in runs.values():
+    for model in runs.values():
         model.close()
