@@ -109,7 +109,8 @@ class Stream:
         return self.tokens[0] - self.sent if self.tokens else float("inf")
 
 
-async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
+async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+               extra: dict[str, Any] | None = None) -> Stream:
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": prompt}],
@@ -117,6 +118,7 @@ async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     stream = Stream(sent=time.perf_counter())
     try:
@@ -207,28 +209,58 @@ def load_users(path):
     return users
 """
 
-SPEC_WORKLOADS = {
-    "code edit": "Here is a Python file:\n\n" + CODE + "\nRewrite the whole file with the "
-    "parameter `path` renamed to `filename` everywhere. Reply with the complete code only.",
-    "json extraction": "Order 4471 was placed by Maria Lopez (maria.lopez@example.com) on "
-    "2024-03-18 for 3 items: a blue kettle at 24.99, two ceramic mugs at 8.50 each, and a "
-    "bag of coffee beans at 12.00. Shipping to 12 Harbour Street, Bristol, BS1 4QA. "
-    "Extract the order as JSON with the fields order_id, customer_name, customer_email, "
-    "date, items (name, quantity, unit_price), and shipping_address. Reply with JSON only.",
-    "free chat": "Write a short story about a fox who learns to sail.",
+ORDER = (
+    "Order 4471 was placed by Maria Lopez (maria.lopez@example.com) on 2024-03-18 for 3 "
+    "items: a blue kettle at 24.99, two ceramic mugs at 8.50 each, and a bag of coffee beans "
+    "at 12.00. Shipping to 12 Harbour Street, Bristol, BS1 4QA. "
+)
+FIELDS = ("order_id, customer_name, customer_email, date, items (name, quantity, unit_price), "
+          "and shipping_address")
+
+
+def _object(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props),
+            "additionalProperties": False}
+
+
+ORDER_SCHEMA = _object(
+    order_id={"type": "integer"}, customer_name={"type": "string"},
+    customer_email={"type": "string"}, date={"type": "string"},
+    items={"type": "array", "items": _object(
+        name={"type": "string"}, quantity={"type": "integer"}, unit_price={"type": "number"})},
+    shipping_address={"type": "string"},
+)
+
+# Each workload: its prompt, and what else its request carries.
+SPEC_WORKLOADS: dict[str, dict[str, Any]] = {
+    "code edit": {"prompt": "Here is a Python file:\n\n" + CODE + "\nRewrite the whole file "
+                  "with the parameter `path` renamed to `filename` everywhere. Reply with the "
+                  "complete code only."},
+    "json extraction": {"prompt": ORDER + f"Extract the order as JSON with the fields {FIELDS}. "
+                        "Reply with JSON only."},
+    # the same extraction under a JSON schema (structured outputs): the grammar forces the
+    # keys and the punctuation
+    "json schema": {"prompt": ORDER + "Extract the order as JSON.", "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "order", "strict": True, "schema": ORDER_SCHEMA},
+    }},
+    "free chat": {"prompt": "Write a short story about a fox who learns to sail."},
 }
 
 
-async def run_spec_workload(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def run_spec_workload(url: str, workload: dict[str, Any], max_tokens: int
+                            ) -> dict[str, Any]:
+    prompt = workload["prompt"]
+    extra = {k: v for k, v in workload.items() if k != "prompt"}
     async with httpx.AsyncClient(timeout=600) as client:
         body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_tokens, "temperature": 0}
+                "max_tokens": max_tokens, "temperature": 0, **extra}
         started = time.perf_counter()
         reply = await client.post(url + "/v1/chat/completions", json=body)
         wall = time.perf_counter() - started
         data = reply.json()
         # a second, timed as a stream, for the decode rate
-        stream = await chat(client, url, prompt, max_tokens)
+        stream = await chat(client, url, prompt, max_tokens, extra)
     span = stream.tokens[-1] - stream.tokens[0] if len(stream.tokens) > 1 else float("nan")
     return {
         "text": data["choices"][0]["message"]["content"],
@@ -258,9 +290,9 @@ def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str
             urls[name] = stack.enter_context(serving(cmd, port, log))
             asyncio.run(run_chats(urls[name], 1, 8))
         for _ in range(rounds):
-            for workload, prompt in SPEC_WORKLOADS.items():
+            for workload, spec in SPEC_WORKLOADS.items():
                 for name, url in urls.items():
-                    run = asyncio.run(run_spec_workload(url, prompt, max_tokens))
+                    run = asyncio.run(run_spec_workload(url, spec, max_tokens))
                     results[name][workload].append(run)
     print(f"\n{path.name}: single-stream greedy decode, median tok/s over {rounds} round(s) "
           "(median ratio to plain)")

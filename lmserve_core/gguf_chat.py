@@ -52,6 +52,7 @@ from .reasoning import ThinkRouter
 from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
 from .speculative import (
+    FORCED,
     MAX_DRAFT,
     Drafter,
     DraftModel,
@@ -690,7 +691,11 @@ class GGUFChatBackend:
             MAX_DRAFT,
         )
         drafts: list[int] = []
-        if getattr(drafter, "free", False):
+        forced = self._forced(gen, most)
+        if forced:
+            evidence: int | None = FORCED
+            drafts = forced[: pace.budget(len(forced), evidence)]
+        elif getattr(drafter, "free", False):
             # propose first: how many to verify depends on how the proposal was found
             if most > 0:
                 drafts = drafter.propose(gen.prepared.tokens + gen.generated, most)
@@ -727,6 +732,16 @@ class GGUFChatBackend:
             gen.logits = rows[len(drafts)]
         pace.update(len(drafts), accepted, evidence)
         slot.tokens.extend(written)
+
+    @staticmethod
+    def _forced(gen: Generation, most: int) -> list[int]:
+        """Up to ``most`` tokens that the request's grammar allows alone from here (the keys
+        and punctuation of a JSON schema): drafts that only the model's choosing another
+        tokenization of the same text can reject."""
+        matcher = gen.prepared.matcher
+        if matcher is None or most <= 0 or matcher.is_stopped():
+            return []
+        return [int(t) for t in matcher.compute_ff_tokens()[:most]]
 
     def _advance(
         self, gen: Generation, logits: np.ndarray | None = None, draft: int | None = None

@@ -11,7 +11,9 @@ the grammar, the reasoning router and the tool parser one at a time.
 Draft sources stand behind :class:`DraftSource`: :class:`PromptLookup` finds the longest
 recent n-gram of the conversation that repeats and proposes what followed it (no second
 model: strong when the reply quotes the prompt, as code edits, extraction and tool calls
-do); :class:`DraftModel` runs a smaller GGUF of the same vocabulary greedily.
+do); :class:`DraftModel` runs a smaller GGUF of the same vocabulary greedily. Under a grammar
+(a JSON schema, a forced tool call), the tokens the grammar forces next are drafted before
+either: the keys and punctuation of a schema cost verify rows, not decode steps.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from .model import ForwardModel, KVCache
 # logits are bit for bit those of plain decoding and greedy output is byte-identical; 7
 # because a longer pass rarely pays for its rows (``Pace.best``).
 MAX_DRAFT = 6
+
+# The evidence of drafts that the request's grammar forces (the only tokens it allows next),
+# for :class:`Pace` to estimate apart from the lookup's n-gram lengths (1 and up). They are
+# verified like any draft: the model may still spell the same text in other tokens.
+FORCED = 0
 
 
 class Drafter(Protocol):

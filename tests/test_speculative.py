@@ -30,7 +30,7 @@ from lmserve_core.gguf_chat import GGUFChatBackend
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
 from lmserve_core.sampling import ResolvedSampling, Sampler
-from lmserve_core.speculative import MAX_DRAFT, Pace, PromptLookup, VerifyCost
+from lmserve_core.speculative import FORCED, MAX_DRAFT, Pace, PromptLookup, VerifyCost
 
 # ---------------------------------------------------------------------------- drafts
 
@@ -224,6 +224,50 @@ def test_stop_strings_and_grammar_apply_to_accepted_tokens(gguf: GGUFFile) -> No
         assert sink.text == alone.text and finish == plain
         assert sink.text in ("alpha beta", "alpha beta gamma")
         check_shadow(backend)
+
+
+def test_tokens_a_grammar_forces_are_drafted(gguf: GGUFFile) -> None:
+    """Under a JSON schema the keys and punctuation are the only tokens allowed: they are
+    verified as drafts even when the drafter has nothing, and the reply is that of plain
+    decoding."""
+    pytest.importorskip("llguidance")
+    import json
+
+    b0 = make_backend(gguf)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                       "email": {"type": "string"}},
+        "required": ["name", "age", "email"],
+        "additionalProperties": False,
+    }
+    reply = '{"name": "Ada", "age": 36, "email": "ada@example.com"}'
+    script = ids(b0, reply) + [IM_END]
+
+    def request() -> NormalizedRequest:
+        return chat("who?", max_tokens=60,
+                    constraint=Constraint(kind="json_schema", source=json.dumps(schema)))
+
+    plain, alone = run(make_backend(gguf, script), request())
+    assert json.loads(alone.text) == json.loads(reply)
+    backend = make_backend(gguf, script)
+    backend.drafts = FixedDrafts([])  # type: ignore[assignment]
+    paces: list[Pace] = []
+    original = backend._speculate
+
+    def spy(gen: Any, tokens: list[int]) -> None:
+        paces.append(gen.pace)
+        original(gen, tokens)
+
+    backend._speculate = spy  # type: ignore[method-assign]
+    finish, sink = run(backend, request())
+    assert sink.text == alone.text and finish == plain
+    calls = backend.model.forward_calls  # type: ignore[attr-defined]
+    assert any(n > 1 for _, n in calls[1:]), "the forced tokens were drafted"
+    assert len(calls) < plain.usage.completion_tokens
+    pace = paces[-1]
+    assert pace.accepted > 0 and pace.rate(FORCED) > 0.8
+    check_shadow(backend)
 
 
 def test_a_free_drafter_proposes_in_full_and_the_pace_trims_by_its_evidence(
