@@ -691,7 +691,7 @@ class GGUFChatBackend:
             MAX_DRAFT,
         )
         drafts: list[int] = []
-        forced = self._forced(gen, most)
+        forced = self._grammar_drafts(gen, most)
         if forced:
             evidence: int | None = FORCED
             drafts = forced[: pace.budget(len(forced), evidence)]
@@ -734,7 +734,7 @@ class GGUFChatBackend:
         slot.tokens.extend(written)
 
     @staticmethod
-    def _forced(gen: Generation, most: int) -> list[int]:
+    def _grammar_drafts(gen: Generation, most: int) -> list[int]:
         """Up to ``most`` tokens that the request's grammar allows alone from here (the keys
         and punctuation of a JSON schema): drafts that only the model's choosing another
         tokenization of the same text can reject."""
