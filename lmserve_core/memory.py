@@ -45,6 +45,7 @@ def _libc() -> Any:
         libc = ctypes.CDLL(name)
         libc.mallopt  # noqa: B018 - glibc only
         libc.malloc_trim  # noqa: B018
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return libc
@@ -137,7 +138,6 @@ def release_pages(data: npt.NDArray[Any]) -> bool:
     end = (addr + data.nbytes) // page * page
     if end <= start:
         return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return bool(libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0)
 
 
