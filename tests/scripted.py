@@ -20,6 +20,14 @@ from lmserve_core.request import Message, NormalizedRequest, Sampling
 from lmserve_core.tokenizer import Tokenizer
 
 GREEDY = Sampling(temperature=0.0)
+# A small JSON schema whose keys and punctuation a grammar forces.
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "email": {"type": "string"}},
+    "required": ["name", "age", "email"],
+    "additionalProperties": False,
+}
 IM_START, IM_END = 1, 2  # SmolLM2's ChatML control tokens
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding on the real SmolLM2, through real ``lmserve`` processes: greedy
 replies byte-identical to plain decoding, with drafts from the conversation (``--spec``)
-and from a draft model (``--spec-draft``)."""
+and from a draft model (``--spec-draft``), and with a JSON schema's forced tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import openai
 import pytest
 from processes import API_KEY
+from scripted import PERSON_SCHEMA
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +31,21 @@ PROMPTS = [
 ]
 
 
+# an extraction under a JSON schema: the grammar's forced tokens (keys, punctuation) are
+# drafted too
+EXTRACT = "Ada Lovelace (ada@example.com) is 36. Give her name, email and age as JSON."
+
+
 def replies(server, max_tokens: int = 96) -> list[str]:  # type: ignore[no-untyped-def]
+    schema = {"type": "json_schema",
+              "json_schema": {"name": "person", "strict": True, "schema": PERSON_SCHEMA}}
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0) as c:
         return [
             c.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": p}], temperature=0,
-                max_tokens=max_tokens,
+                max_tokens=max_tokens, **extra,
             ).choices[0].message.content
-            for p in PROMPTS
+            for p, extra in [*((p, {}) for p in PROMPTS), (EXTRACT, {"response_format": schema})]
         ]
 
 
@@ -68,6 +76,7 @@ def test_greedy_replies_equal_plain_decoding(plain: list[str], flags: list[str],
     flags = [path if f == "SELF" else f for f in flags]  # the model drafts for itself
     server = launch(path, "--threads", "2", "--ctx", "1024", "--batch", "1", *flags,
                     scripted=False, log_dir=tmp_path, timeout=120)
+    assert set(json.loads(plain[-1])) == set(PERSON_SCHEMA["properties"])  # the schema held
     try:
         assert replies(server) == plain
         stats = speculation(server)

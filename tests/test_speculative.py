@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scripted import (  # noqa: F401  (the fixtures)
     IM_END,
+    PERSON_SCHEMA,
     ListSink,
     ScriptedModel,
     _gguf,
@@ -234,19 +235,12 @@ def test_tokens_a_grammar_forces_are_drafted(gguf: GGUFFile) -> None:
     import json
 
     b0 = make_backend(gguf)
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                       "email": {"type": "string"}},
-        "required": ["name", "age", "email"],
-        "additionalProperties": False,
-    }
     reply = '{"name": "Ada", "age": 36, "email": "ada@example.com"}'
     script = ids(b0, reply) + [IM_END]
 
     def request() -> NormalizedRequest:
         return chat("who?", max_tokens=60,
-                    constraint=Constraint(kind="json_schema", source=json.dumps(schema)))
+                    constraint=Constraint(kind="json_schema", source=json.dumps(PERSON_SCHEMA)))
 
     plain, alone = run(make_backend(gguf, script), request())
     assert json.loads(alone.text) == json.loads(reply)
