@@ -358,6 +358,27 @@ def test_vec_dot_i16_within_the_activations_rounding(
     assert np.abs(got - ref @ x).max() < bound.max() / 4
 
 
+@pytest.mark.parametrize("isa", SIMD_ISAS, ids=lambda i: i.name)
+@pytest.mark.parametrize("qtype", [t for t in BLOCK_TYPES if K.block_elems(t) == 32], ids=str)
+def test_i16_products_of_every_group_count(qtype: QT, isa: K.Isa, rng) -> None:
+    """Rows of 1 to 7 groups and with 1, 2 or 3 groups past a multiple of four (kernels that
+    take four groups at a time finish a row with a partial quad), alone and batched."""
+    require(isa)
+    K.select_decode_precision(K.DecodePrecision.I16)
+    for groups in (1, 2, 3, 4, 5, 6, 7, 17, 18, 19):
+        cols, rows = 32 * groups, 9
+        raw = make_rows(qtype, rows, cols, rng)
+        x = rng.standard_normal((5, cols), dtype=np.float32)
+        with K.use_isa(K.Isa.PORTABLE):
+            want = K.matmul(qtype, raw, rows, cols, x)
+        with K.use_isa(isa):
+            got = K.matmul(qtype, raw, rows, cols, x)
+            alone = np.stack([K.matmul(qtype, raw, rows, cols, x[t : t + 1])[0] for t in range(5)])
+        scale = np.abs(x.astype(np.float64)) @ np.abs(reference(qtype, raw, cols)).T
+        assert_dot_close(got, want, scale, 1e-5)
+        np.testing.assert_array_equal(got, alone, err_msg=f"{groups} groups")
+
+
 def test_vec_dot_i16_refuses_element_types() -> None:
     with pytest.raises(TypeError):
         K.vec_dot_i16(QT.F16, np.zeros(64, np.uint8), np.ones(32, np.float32))

@@ -270,6 +270,9 @@ typedef struct {
     int16_t *q;
     float *ds;
     int64_t n;
+    /* The same integers in quads (lm_kernels.quads_x16), or NULL when the table's kernels
+     * read q only. Token t: q4 + t * LM_QUAD_COLS(n). */
+    int16_t *q4;
 } lm_xq;
 
 /* One token's x[0..n) into q and ds (n a multiple of 32): d = max|x| / 32767 per group,
@@ -277,6 +280,12 @@ typedef struct {
  * d = NaN, so every product with it is NaN as in f32. q and d are bit-identical on every
  * ISA (the sums may round differently). */
 typedef void (*lm_quant_x16_fn)(const float *x, int64_t n, int16_t *q, float *ds);
+/* A token's quantized x rearranged by quads of groups, for kernels that multiply four groups
+ * in one 512-bit vector: quad Q (groups 4Q..4Q+3, zeros past the last group) fills
+ * q4[128 Q .. 128 Q + 128) as four vectors of 32, vector k holding elements 8k..8k+7 of each
+ * of the four groups in turn. */
+typedef void (*lm_quads_x16_fn)(const int16_t *q, int64_t n, int16_t *q4);
+#define LM_QUAD_COLS(n) (((n) + 127) / 128 * 128)
 /* out[t * ldo] = dot(row, token t0 + t of x) for t < nt (1..LM_DOTQ_TOKENS), integer products
  * per group: each weight group is unpacked once for all nt tokens. */
 #define LM_DOTQ_TOKENS 8
@@ -290,6 +299,7 @@ typedef struct {
     lm_dot_fn dot[LM_NTYPES];
     lm_dotn_fn dotn[LM_NTYPES]; /* NULL: one dot per token */
     lm_quant_x16_fn quant_x16;
+    lm_quads_x16_fn quads_x16; /* NULL: the integer products read lm_xq.q only */
     lm_dotq_fn dotq[LM_NTYPES]; /* NULL: the type has no integer path (f32 products) */
     lm_gemm_fn gemm;
     int mr; /* weight rows per GEMM tile */

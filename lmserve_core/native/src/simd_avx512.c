@@ -511,6 +511,219 @@ T512 static void z_gemm_32x12(const float *a, const float *b, int64_t k, float *
 #undef OUT
 }
 
+/* ------------------------------------------------------------------ int16 products, VNNI
+ * Four groups of 32 at once. x's quads (lm_quads_x16_fn) and the weights of four blocks put
+ * elements 8k..8k+7 of group j in the 128-bit lane j of vector k, so that four dpwssd (the
+ * int16 pairs multiplied and summed into int32 lanes, exactly) leave each group's sum in its
+ * own four lanes: one convert and one FMA by the four groups' factors finish a token's quad.
+ * A lane's eight products are the ones the AVX2 kernels sum into the same lane, so the
+ * integer sums are theirs; the float sums run in another order. */
+#define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+TVNNI static void z_quads_x16(const int16_t *q, int64_t n, int16_t *q4) {
+    const int64_t ng = n / 32;
+    for (int64_t g = 0; g < ng; g += 4) {
+        __m512i v[4];
+        for (int j = 0; j < 4; j++) {
+            v[j] = g + j < ng ? _mm512_loadu_si512(q + 32 * (g + j)) : _mm512_setzero_si512();
+        }
+        /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], 0x44);
+        const __m512i t1 = _mm512_shuffle_i64x2(v[0], v[1], 0xEE);
+        const __m512i t2 = _mm512_shuffle_i64x2(v[2], v[3], 0x44);
+        const __m512i t3 = _mm512_shuffle_i64x2(v[2], v[3], 0xEE);
+        int16_t *o = q4 + 32 * g;
+        _mm512_storeu_si512(o, _mm512_shuffle_i64x2(t0, t2, 0x88));
+        _mm512_storeu_si512(o + 32, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+        _mm512_storeu_si512(o + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
+        _mm512_storeu_si512(o + 96, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+    }
+}
+
+/* 16 bytes at p, p + stride, ... of nb (1..4) blocks in the four 128-bit lanes, zeros past nb */
+TVNNI static inline __m512i z_gather16(const uint8_t *p, size_t stride, int nb) {
+    __m512i v = _mm512_inserti32x4(_mm512_setzero_si512(), _mm_loadu_si128((const __m128i *)p), 0);
+    if (nb > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + stride)), 1);
+    if (nb > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 2 * stride)), 2);
+    if (nb > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 3 * stride)), 3);
+    return v;
+}
+
+/* The 32-bit words at p, p + stride, ... of nb blocks (zeros past nb); half: their low 16 bits */
+TVNNI static inline __m128i z_gather32(const uint8_t *p, size_t stride, int nb, int half) {
+    uint32_t u[4] = {0, 0, 0, 0};
+    for (int j = 0; j < nb; j++) {
+        if (half) {
+            uint16_t h;
+            memcpy(&h, p + j * stride, sizeof h);
+            u[j] = h;
+        } else {
+            memcpy(&u[j], p + j * stride, sizeof u[j]);
+        }
+    }
+    return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+}
+
+/* The blocks' factors as 8 floats: the scale of block j in lane 2j, its min (Q4_1 / Q5_1) or
+ * 0 in lane 2j + 1. */
+#define z_fac4(b, nb, pair) \
+    _mm256_cvtph_ps(z_gather32((const uint8_t *)&(b)->d, sizeof *(b), (nb), !(pair)))
+
+/* Nibbles of 16 bytes per lane: w[0] the low ones of bytes 0..7, w[1] of 8..15, w[2] and w[3]
+ * the high ones: elements 0..7, 8..15, 16..23, 24..31 of a Q4 / Q5 block. */
+TVNNI static inline void z_nibbles4(__m512i q, __m512i w[4]) {
+    const __m512i z = _mm512_setzero_si512(), m4 = _mm512_set1_epi16(0x0F);
+    const __m512i lo = _mm512_unpacklo_epi8(q, z), hi = _mm512_unpackhi_epi8(q, z);
+    w[0] = _mm512_and_si512(lo, m4);
+    w[1] = _mm512_and_si512(hi, m4);
+    w[2] = _mm512_srli_epi16(lo, 4);
+    w[3] = _mm512_srli_epi16(hi, 4);
+}
+
+/* Q5: bit 4 of element i of block j is bit i of its qh */
+TVNNI static inline void z_q5_high4(__m128i qh, __m512i w[4]) {
+    const __m512i words = _mm512_castsi128_si512(qh);
+    /* lane 8j + l: the low (lo) or high (hi) half of block j's qh */
+    const __m512i lo = _mm512_permutexvar_epi16(
+        _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2,
+                         0, 0, 0, 0, 0, 0, 0, 0),
+        words);
+    const __m512i hi = _mm512_permutexvar_epi16(
+        _mm512_set_epi16(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5, 3, 3, 3, 3, 3, 3, 3, 3,
+                         1, 1, 1, 1, 1, 1, 1, 1),
+        words);
+    const __m512i b0 = _mm512_set_epi16(
+        128, 64, 32, 16, 8, 4, 2, 1, 128, 64, 32, 16, 8, 4, 2, 1, 128, 64, 32, 16, 8, 4, 2, 1, 128,
+        64, 32, 16, 8, 4, 2, 1);
+    const __m512i b8 = _mm512_slli_epi16(b0, 8);
+    const __m512i h = _mm512_set1_epi16(16);
+    w[0] = _mm512_mask_add_epi16(w[0], _mm512_test_epi16_mask(lo, b0), w[0], h);
+    w[1] = _mm512_mask_add_epi16(w[1], _mm512_test_epi16_mask(lo, b8), w[1], h);
+    w[2] = _mm512_mask_add_epi16(w[2], _mm512_test_epi16_mask(hi, b0), w[2], h);
+    w[3] = _mm512_mask_add_epi16(w[3], _mm512_test_epi16_mask(hi, b8), w[3], h);
+}
+
+/* z_ints4_<type>(b, nb, w): the integers of blocks b[0..nb) in quad order */
+TVNNI static inline void z_ints4_q4_0(const block_q4_0 *b, int nb, __m512i w[4]) {
+    z_nibbles4(z_gather16(b->qs, sizeof *b, nb), w);
+    for (int k = 0; k < 4; k++) w[k] = _mm512_sub_epi16(w[k], _mm512_set1_epi16(8));
+}
+
+TVNNI static inline void z_ints4_q4_1(const block_q4_1 *b, int nb, __m512i w[4]) {
+    z_nibbles4(z_gather16(b->qs, sizeof *b, nb), w);
+}
+
+TVNNI static inline void z_ints4_q5_0(const block_q5_0 *b, int nb, __m512i w[4]) {
+    z_nibbles4(z_gather16(b->qs, sizeof *b, nb), w);
+    z_q5_high4(z_gather32(b->qh, sizeof *b, nb, 0), w);
+    for (int k = 0; k < 4; k++) w[k] = _mm512_sub_epi16(w[k], _mm512_set1_epi16(16));
+}
+
+TVNNI static inline void z_ints4_q5_1(const block_q5_1 *b, int nb, __m512i w[4]) {
+    z_nibbles4(z_gather16(b->qs, sizeof *b, nb), w);
+    z_q5_high4(z_gather32(b->qh, sizeof *b, nb, 0), w);
+}
+
+/* int8 widened by unpacking a byte with itself and shifting it down arithmetically */
+TVNNI static inline void z_ints4_q8_0(const block_q8_0 *b, int nb, __m512i w[4]) {
+    const __m512i a = z_gather16((const uint8_t *)b->qs, sizeof *b, nb);
+    const __m512i c = z_gather16((const uint8_t *)b->qs + 16, sizeof *b, nb);
+    w[0] = _mm512_srai_epi16(_mm512_unpacklo_epi8(a, a), 8);
+    w[1] = _mm512_srai_epi16(_mm512_unpackhi_epi8(a, a), 8);
+    w[2] = _mm512_srai_epi16(_mm512_unpacklo_epi8(c, c), 8);
+    w[3] = _mm512_srai_epi16(_mm512_unpackhi_epi8(c, c), 8);
+}
+
+#define Z_PAIR_q4_0 0
+#define Z_PAIR_q4_1 1
+#define Z_PAIR_q5_0 0
+#define Z_PAIR_q5_1 1
+#define Z_PAIR_q8_0 0
+
+/* Every token runs the same operations whatever the number of tokens (see the AVX2 kernels). */
+#define DEF_ZDOTQ_32(name, blk)                                                                    \
+    TVNNI static inline __attribute__((always_inline)) void z_dotq_quad_##name(                    \
+        const blk *b, int64_t G, const int nb, const int NT, const int16_t *const *x4,            \
+        const float *const *ds, __m512 *acc, __m256 *off) {                                        \
+        __m512i w[4];                                                                              \
+        z_ints4_##name(b, nb, w);                                                                  \
+        const __m256 fw = z_fac4(b, nb, Z_PAIR_##name);                                            \
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);  \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            const __m512i *x = (const __m512i *)(x4[t] + 32 * G);                                 \
+            __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w[0], _mm512_loadu_si512(x));  \
+            s = _mm512_dpwssd_epi32(s, w[1], _mm512_loadu_si512(x + 1));                           \
+            s = _mm512_dpwssd_epi32(s, w[2], _mm512_loadu_si512(x + 2));                           \
+            s = _mm512_dpwssd_epi32(s, w[3], _mm512_loadu_si512(x + 3));                           \
+            const __m256 d = nb == 4 ? _mm256_loadu_ps(ds[t] + 2 * G)                              \
+                                     : _mm256_maskz_loadu_ps((__mmask8)((1u << (2 * nb)) - 1),    \
+                                                             ds[t] + 2 * G);                       \
+            const __m256 p = _mm256_mul_ps(fw, d);                                                 \
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),                                        \
+                                     _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(p)),     \
+                                     acc[t]);                                                      \
+            if (Z_PAIR_##name) off[t] = _mm256_add_ps(off[t], p);                                  \
+        }                                                                                          \
+    }                                                                                              \
+    TVNNI static inline __attribute__((always_inline)) void z_dotq_body_##name(                    \
+        const blk *b, const lm_xq *x, int64_t t0, const int NT, float *out, int64_t ldo) {         \
+        const int64_t n = x->n, nb = n / 32;                                                       \
+        __m512 acc[LM_DOTQ_TOKENS];                                                                \
+        __m256 off[LM_DOTQ_TOKENS];                                                                \
+        const int16_t *x4[LM_DOTQ_TOKENS];                                                         \
+        const float *ds[LM_DOTQ_TOKENS];                                                           \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            acc[t] = _mm512_setzero_ps();                                                          \
+            off[t] = _mm256_setzero_ps();                                                          \
+            x4[t] = x->q4 + (t0 + t) * LM_QUAD_COLS(n);                                            \
+            ds[t] = x->ds + (t0 + t) * (n / 16);                                                   \
+        }                                                                                          \
+        int64_t i = 0;                                                                             \
+        for (; i + 4 <= nb; i += 4) z_dotq_quad_##name(b + i, i, 4, NT, x4, ds, acc, off);         \
+        if (i < nb) z_dotq_quad_##name(b + i, i, (int)(nb - i), NT, x4, ds, acc, off);             \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            float o = 0.0f;                                                                        \
+            if (Z_PAIR_##name) { /* the mins' products, in the odd lanes */                        \
+                __m128 v = _mm_add_ps(_mm256_castps256_ps128(off[t]),                              \
+                                      _mm256_extractf128_ps(off[t], 1));                           \
+                v = _mm_add_ps(v, _mm_movehl_ps(v, v));                                            \
+                o = _mm_cvtss_f32(_mm_movehdup_ps(v));                                             \
+            }                                                                                      \
+            out[t * ldo] = _mm512_reduce_add_ps(acc[t]) + o;                                       \
+        }                                                                                          \
+    }                                                                                              \
+    TVNNI static void z_dotq_##name(const void *row, const lm_xq *x, int64_t t0, int nt,           \
+                                    float *out, int64_t ldo) {                                     \
+        const blk *b = row;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: z_dotq_body_##name(b, x, t0, 1, out, ldo); break;                                  \
+        case 2: z_dotq_body_##name(b, x, t0, 2, out, ldo); break;                                  \
+        case 3: z_dotq_body_##name(b, x, t0, 3, out, ldo); break;                                  \
+        case 4: z_dotq_body_##name(b, x, t0, 4, out, ldo); break;                                  \
+        case 5: z_dotq_body_##name(b, x, t0, 5, out, ldo); break;                                  \
+        case 6: z_dotq_body_##name(b, x, t0, 6, out, ldo); break;                                  \
+        case 7: z_dotq_body_##name(b, x, t0, 7, out, ldo); break;                                  \
+        default: z_dotq_body_##name(b, x, t0, 8, out, ldo); break;                                 \
+        }                                                                                          \
+    }
+DEF_ZDOTQ_32(q4_0, block_q4_0)
+DEF_ZDOTQ_32(q4_1, block_q4_1)
+DEF_ZDOTQ_32(q5_0, block_q5_0)
+DEF_ZDOTQ_32(q5_1, block_q5_1)
+DEF_ZDOTQ_32(q8_0, block_q8_0)
+#undef DEF_ZDOTQ_32
+
+/* With VNNI, the products of the blocks of 32 read x's quads; the super-blocks keep the AVX2
+ * kernels, which read x's groups in order. */
+static void z_install_vnni(lm_kernels *k) {
+    k->quads_x16 = z_quads_x16;
+    k->dotq[LM_Q4_0] = z_dotq_q4_0;
+    k->dotq[LM_Q4_1] = z_dotq_q4_1;
+    k->dotq[LM_Q5_0] = z_dotq_q5_0;
+    k->dotq[LM_Q5_1] = z_dotq_q5_1;
+    k->dotq[LM_Q8_0] = z_dotq_q8_0;
+}
+
 void lm_kernels_avx512(lm_kernels *k) {
 #define SET_ELEM(name, type)                                                                       \
     k->dequant[type] = z_deq_##name;                                                             \
@@ -531,8 +744,11 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->exp_sum = z_exp_sum;
     k->silu_mul = z_silu_mul;
     k->gelu_mul = z_gelu_mul;
+    if (__builtin_cpu_supports("avx512vnni")) z_install_vnni(k);
 }
 #undef T512
+#undef TVNNI
+#undef z_fac4
 #undef z_scales_q4_0
 #undef z_scales_q4_1
 #undef z_scales_q5_0
