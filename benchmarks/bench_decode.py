@@ -48,13 +48,24 @@ SYNTHETIC = {"qwen3-0.6b": ("qwen3", "0.6b"), "qwen3moe-1b": ("qwen3moe", "moe-1
 
 
 def cpu_model() -> str:
+    """The CPU's name with its family / model numbers and the vector extensions the kernels
+    use (a virtual machine's name alone, "Intel(R) Xeon(R) Processor", tells little)."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor is enough
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        fields = {}
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
+    return (f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+            f"{'; ' + ' '.join(isa) if isa else ''})")
 
 
 def smollm2_path() -> Path:
