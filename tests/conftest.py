@@ -6,6 +6,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from processes import API_KEY, RunningServer, launch
 
@@ -47,3 +48,19 @@ def anthropic_client(server: RunningServer):  # type: ignore[no-untyped-def]
 
     with anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:
         yield client
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def restore_isa() -> Iterator[None]:
+    """The kernels' ISA and decode precision as they were before the test."""
+    from lmserve_core.native import kernels
+
+    before, precision = kernels.isa_active(), kernels.decode_precision()
+    yield
+    kernels.select_isa(before)
+    kernels.select_decode_precision(precision)

@@ -15,6 +15,8 @@ from gguf.quants import dequantize, quantize
 from lmserve_core import native
 from lmserve_core.native import kernels as K
 
+pytestmark = pytest.mark.usefixtures("restore_isa")
+
 QT = K.QuantType
 ALL_TYPES = list(QT)
 K_TYPES = {QT.Q4_K, QT.Q5_K, QT.Q6_K}
@@ -54,19 +56,6 @@ def assert_dot_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rel: 
     err = np.abs(got - want)
     bound = rel * scale + 1e-30
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng(1234)
-
-
-@pytest.fixture(autouse=True)
-def _restore_isa():
-    before, precision = K.isa_active(), K.decode_precision()
-    yield
-    K.select_isa(before)
-    K.select_decode_precision(precision)
 
 
 PRECISIONS = list(K.DecodePrecision)

@@ -27,6 +27,13 @@ def _c_enum(name: str, c_enum: str, prefix: str) -> Any:
 
 QuantType = _c_enum("QuantType", "enum lm_type", "LM_")
 QuantType.__doc__ = "Tensor types the kernels handle; values are GGML's type ids (lm_type)."
+Interleaved = _c_enum("Interleaved", "enum lm_r16_type", "LM_")
+Interleaved.__doc__ = (
+    "Layouts the kit rewrites Q4_0, Q4_1 and Q8_0 matrices into (lm_r16_type): the same bytes, "
+    "16 rows interleaved block column by block column; never a GGUF's type."
+)
+# The interleaved layout of each type that has one, whether or not this CPU gains from it.
+_R16_TYPE: dict[int, int] = {int(QuantType[i.name.removesuffix("_R16")]): int(i) for i in Interleaved}
 Isa = _c_enum("Isa", "enum lm_isa", "LM_ISA_")
 Isa.__doc__ = "Instruction-set paths of the kernels (lm_isa)."
 RopeMode = _c_enum("RopeMode", "enum lm_rope_mode", "LM_ROPE_")
@@ -294,6 +301,41 @@ def convert_row(
         raise ValueError(f"convert_row: out must be {row_bytes(u, n)} writable contiguous bytes")
     check(lib.lm_convert_row(t, _ubuf(data), u, _ubuf(out), int(n)), "convert_row")
     return out
+
+
+def interleaved_for(qtype: int) -> int | None:
+    """The :data:`Interleaved` layout of ``qtype`` that the active ISA's products read faster,
+    or None (the type has none, or this ISA gains nothing from it)."""
+    return int(lib.lm_r16_for(int(qtype))) or None
+
+
+def repack_r16(
+    qtype: int, raw: npt.ArrayLike, rows: int, cols: int, out: npt.NDArray[np.uint8] | None = None
+) -> npt.NDArray[np.uint8]:
+    """A (rows x cols) matrix of ``qtype`` (Q4_0, Q4_1, Q8_0; rows a multiple of 16) rewritten
+    in its :data:`Interleaved` layout, into ``out`` when given (contiguous uint8 of the same
+    size): the same bytes in another order."""
+    t = _type_id(qtype)
+    to = _R16_TYPE.get(t)
+    if to is None:
+        raise KernelTypeError(f"type {t} has no interleaved layout")
+    if rows < 0 or rows % 16:
+        raise KernelValueError(f"{rows} rows is not a multiple of 16")
+    size = rows * row_bytes(t, cols)
+    data = _raw(raw)
+    _need(data, size, "repack_r16")
+    if out is None:
+        out = np.empty(size, dtype=np.uint8)
+    elif (
+        out.dtype != np.uint8
+        or out.size != size
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(f"repack_r16: out must be {size} writable contiguous bytes")
+    check(lib.lm_repack_r16(t, _ubuf(data), to, _ubuf(out), int(rows), int(cols)), "repack_r16")
+    return out
+
 
 
 def _row_dot(fn: Any, what: str, qtype: int, raw: npt.ArrayLike, x: npt.ArrayLike) -> float:

@@ -82,8 +82,9 @@ const lm_kernels *lm_kernels_active(void) {
 }
 
 /* ------------------------------------------------------------------ rows */
+/* An interleaved type's rows are not contiguous: only whole matrices of it are read. */
 static int check_row(int type, const void *p, int64_t n) {
-    if (lm_type_block_elems(type) <= 0) {
+    if (lm_type_block_elems(type) <= 0 || lm_r16_base(type) >= 0) {
         return LM_ETYPE;
     }
     if (p == NULL || lm_row_bytes(type, n) < 0) {
@@ -145,9 +146,11 @@ int lm_vec_dot(int type, const void *row, const float *x, int64_t n, float *out)
 
 int lm_get_rows(int type, const void *table, int64_t n_rows, int64_t cols, const int32_t *ids,
                 int64_t n_ids, float *out) {
-    int rc = check_row(type, table, cols);
-    if (rc != LM_OK) {
-        return rc;
+    if (lm_type_block_elems(type) <= 0) {
+        return LM_ETYPE;
+    }
+    if (table == NULL || lm_row_bytes(type, cols) < 0) {
+        return LM_EINVAL;
     }
     if (n_rows < 0 || n_ids < 0 || (n_ids > 0 && (ids == NULL || out == NULL))) {
         return LM_EINVAL;
@@ -159,6 +162,17 @@ int lm_get_rows(int type, const void *table, int64_t n_rows, int64_t cols, const
     }
     const lm_kernels *k = lm_kernels_active();
     const int64_t rb = lm_row_bytes(type, cols);
+    if (lm_r16_base(type) >= 0) {
+        if (n_rows % R16 != 0) {
+            return LM_EINVAL;
+        }
+        for (int64_t i = 0; i < n_ids && cols > 0; i++) {
+            const int64_t g = ids[i] / R16;
+            k->deq_r16[type]((const uint8_t *)table + g * R16 * rb, cols, (int)(ids[i] % R16),
+                             out + i * cols);
+        }
+        return LM_OK;
+    }
     for (int64_t i = 0; i < n_ids && cols > 0; i++) {
         k->dequant[type]((const uint8_t *)table + ids[i] * rb, out + i * cols, cols);
     }

@@ -26,7 +26,8 @@ int lm_decode_precision_select(int precision) {
 }
 
 int lm_dot_has_i16(const lm_kernels *k, int type) {
-    return type >= 0 && type < LM_NTYPES && k->dotq[type] != NULL && k->quant_x16 != NULL;
+    if (type < 0 || type >= LM_NTYPES || k->quant_x16 == NULL) return 0;
+    return k->dotq[type] != NULL || k->dotq_r16[type] != NULL;
 }
 
 /* ------------------------------------------------------------------ activations */

@@ -193,7 +193,8 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
         const lm_mm *m = &mms[i];
         if (lm_type_block_elems(m->w.type) <= 0) return LM_ETYPE;
         if (m->rows < 0 || lm_row_bytes(m->w.type, m->cols) <= 0 ||
-            (m->rows > 0 && (m->w.data == NULL || m->x == NULL || m->y == NULL)))
+            (m->rows > 0 && (m->w.data == NULL || m->x == NULL || m->y == NULL)) ||
+            (lm_r16_base(m->w.type) >= 0 && m->rows % R16 != 0))
             return LM_EINVAL;
         total += m->rows;
     }
@@ -475,12 +476,16 @@ int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
     return LM_OK;
 }
 
-/* Rows [row0, ..) of t, rows of `cols` elements. */
-static lm_matrix rows_from(lm_matrix t, int64_t row0, int64_t cols) {
-    const size_t at = (size_t)row0 * (size_t)lm_row_bytes(t.type, cols);
-    const lm_matrix out = {(const uint8_t *)t.data + at, t.type};
+lm_matrix lm_matrix_rows(lm_matrix m, int64_t row0, int64_t cols) {
+    const lm_matrix none = {NULL, m.type};
+    const int64_t rb = lm_row_bytes(m.type, cols);
+    if (m.data == NULL || row0 < 0 || rb < 0 || (lm_r16_base(m.type) >= 0 && row0 % R16 != 0))
+        return none;
+    const lm_matrix out = {(const uint8_t *)m.data + (size_t)row0 * (size_t)rb, m.type};
     return out;
 }
+
+#define rows_from lm_matrix_rows
 
 /* The gate (half 0) or up (half 1) matrix (n_ff, n_embd) of expert e. */
 static lm_matrix expert_in(const lm_moe *m, int e, int half, int64_t D) {

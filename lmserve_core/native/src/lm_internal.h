@@ -18,7 +18,7 @@
 #define LM_HAVE_X86 0
 #endif
 
-#define LM_NTYPES 31 /* type ids are < 31 */
+#define LM_NTYPES 73 /* type ids are < 73: GGML's (< 31) and lm_r16_type's (64 + GGML's) */
 #define QK 32        /* elements of a legacy block */
 #define QKK 256      /* elements of a K-quant super-block */
 
@@ -98,6 +98,54 @@ _Static_assert(sizeof(block_q8_0) == 34, "q8_0");
 _Static_assert(sizeof(block_q4_K) == 144, "q4_K");
 _Static_assert(sizeof(block_q5_K) == 176, "q5_K");
 _Static_assert(sizeof(block_q6_K) == 210, "q6_K");
+
+/* ------------------------------------------------------------------ interleaved layouts
+ * One block column of 16 rows (enum lm_r16_type): the rows' scales (and mins), then their
+ * integers as 8 tile rows of 64 bytes (byte 4n + j of tile row R is element 4R + j of row n).
+ * Q4's nibbles are packed so that two tile rows come out of 64 bytes by (b & 15, b >> 4)
+ * byte interleaving within each 128-bit lane (lm_r16_nibble_at). */
+#define R16 16 /* rows interleaved */
+typedef struct {
+    lm_half d[R16];
+    uint8_t qs[R16 * QK / 2];
+} r16_q4_0; /* 288 bytes: 16 x 18 */
+
+typedef struct {
+    lm_half d[R16];
+    lm_half m[R16];
+    uint8_t qs[R16 * QK / 2];
+} r16_q4_1; /* 320 bytes: 16 x 20 */
+
+typedef struct {
+    lm_half d[R16];
+    int8_t qs[R16 * QK];
+} r16_q8_0; /* 544 bytes: 16 x 34 */
+
+_Static_assert(sizeof(r16_q4_0) == R16 * sizeof(block_q4_0), "r16 q4_0");
+_Static_assert(sizeof(r16_q4_1) == R16 * sizeof(block_q4_1), "r16 q4_1");
+_Static_assert(sizeof(r16_q8_0) == R16 * sizeof(block_q8_0), "r16 q8_0");
+
+/* The GGML type an interleaved type holds (-1 for any other type). */
+static inline int lm_r16_base(int type) {
+    switch (type) {
+    case LM_Q4_0_R16:
+    case LM_Q4_1_R16:
+    case LM_Q8_0_R16:
+        return type - 64;
+    default:
+        return -1;
+    }
+}
+
+/* Where element 4R + j of row n (tile byte 64R + 4n + j) sits in a Q4 column's packed qs:
+ * byte index, and 0 / 4 for the low / high nibble. Each 64 packed bytes (chunk c) make tile
+ * rows 2c and 2c + 1: lane l's bytes i (< 8) and 8 + i give bytes 2i, 2i + 1 of lane l of row
+ * 2c and of row 2c + 1, low nibble first. */
+static inline int lm_r16_nibble_at(int R, int p, int *shift) {
+    const int l = p / 16, q = p % 16;
+    *shift = 4 * (q & 1);
+    return 64 * (R / 2) + 16 * l + 8 * (R & 1) + q / 2;
+}
 
 /* ------------------------------------------------------------------ scalar conversions */
 static inline float lm_fp32_from_bits(uint32_t w) {
@@ -291,6 +339,17 @@ typedef void (*lm_quads_x16_fn)(const int16_t *q, int64_t n, int16_t *q4);
 #define LM_DOTQ_TOKENS 8
 typedef void (*lm_dotq_fn)(const void *row, const lm_xq *x, int64_t t0, int nt, float *out,
                            int64_t ldo);
+/* Products with an interleaved matrix: y[t * ldy + 16 g + n] for tokens t0 .. t0 + nt - 1
+ * (nt <= lm_kernels.r16_tokens; y points at token t0's row) and rows 16 g + n of the ng
+ * column groups at w. Per output, every kernel runs the same float operations in the same
+ * order (the integer sum of each block exact, then acc = fma(sum, f * d, acc) and, for a type
+ * with mins, acc = fma(m, s, acc), block after block), so an output has the same bits
+ * whichever kernel, ISA, token count or thread computed it. */
+typedef void (*lm_dotq_r16_fn)(const void *w, int64_t ng, const lm_xq *x, int64_t t0, int nt,
+                               float *y, int64_t ldy);
+/* Row n (0..15) of the column group at w (its columns of cols elements) decoded into
+ * dst[0..cols); any run of a group's columns is a group of fewer columns. */
+typedef void (*lm_deq_r16_fn)(const void *w, int64_t cols, int n, float *dst);
 /* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */
 typedef void (*lm_gemm_fn)(const float *a, const float *b, int64_t k, float *c);
 
@@ -301,6 +360,10 @@ typedef struct {
     lm_quant_x16_fn quant_x16;
     lm_quads_x16_fn quads_x16; /* NULL: the integer products read lm_xq.q only */
     lm_dotq_fn dotq[LM_NTYPES]; /* NULL: the type has no integer path (f32 products) */
+    lm_dotq_r16_fn dotq_r16[LM_NTYPES]; /* by interleaved type (lm_r16_type) */
+    lm_deq_r16_fn deq_r16[LM_NTYPES];
+    int r16_tokens;  /* most tokens per dotq_r16 call */
+    int r16_fast;    /* 1: these kernels read the interleaved layouts faster than GGML's */
     lm_gemm_fn gemm;
     int mr; /* weight rows per GEMM tile */
     int nr; /* tokens per GEMM tile */
@@ -330,9 +393,13 @@ typedef struct {
 void lm_kernels_portable(lm_kernels *k);
 /* The portable integer path (dotq.c), part of the portable table. */
 void lm_kernels_portable_i16(lm_kernels *k);
+/* The portable products and decoders of the interleaved layouts (rows16.c): the reference. */
+void lm_kernels_portable_r16(lm_kernels *k);
 #if LM_HAVE_X86
 void lm_kernels_avx2(lm_kernels *k);
 void lm_kernels_avx512(lm_kernels *k);
+/* The VNNI products of the interleaved layouts (simd_r16.c), part of the AVX-512 table. */
+void lm_kernels_r16_avx512(lm_kernels *k);
 #endif
 
 /* The table of the active ISA; never NULL. */

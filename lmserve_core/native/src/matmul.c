@@ -52,9 +52,52 @@ static int64_t min64(int64_t a, int64_t b) {
 }
 
 /* ------------------------------------------------------------------ decode path */
+/* Rows [r0, r1) of an interleaved matrix, both rounded down to whole groups of 16 (so the
+ * ranges of a split stay a partition). With xq, the integer products; else each row decoded
+ * a few blocks at a time and multiplied in f32. */
+static void dot_rows_r16(const lm_kernels *k, int type, const uint8_t *w, int64_t r0,
+                         int64_t r1, int64_t rows, int64_t cols, const float *x, const lm_xq *xq,
+                         int64_t ntok, float *y) {
+    const int64_t rb = lm_row_bytes(type, cols), g0 = r0 / R16, g1 = r1 / R16;
+    if (g1 <= g0) {
+        return;
+    }
+    const uint8_t *at = w + g0 * R16 * rb;
+    if (xq != NULL) {
+        for (int64_t t = 0; t < ntok; t += k->r16_tokens) {
+            const int64_t nt = ntok - t < k->r16_tokens ? ntok - t : k->r16_tokens;
+            k->dotq_r16[type](at, g1 - g0, xq, t, (int)nt, y + t * rows + g0 * R16, rows);
+        }
+        return;
+    }
+    enum { PIECE = 256 }; /* elements of a row decoded at a time */
+    const int64_t bb = lm_type_block_bytes(type);
+    float part[PIECE];
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *group = w + g * R16 * rb;
+        for (int n = 0; n < R16; n++) {
+            for (int64_t t = 0; t < ntok; t++) {
+                y[t * rows + g * R16 + n] = 0.0f;
+            }
+            for (int64_t c0 = 0; c0 < cols; c0 += PIECE) {
+                const int64_t len = cols - c0 < PIECE ? cols - c0 : PIECE;
+                /* columns [c0, c0 + len) of a group are a group of len columns */
+                k->deq_r16[type](group + (c0 / QK) * R16 * bb, len, n, part);
+                for (int64_t t = 0; t < ntok; t++) {
+                    y[t * rows + g * R16 + n] += k->dot_f32(part, x + t * cols + c0, len);
+                }
+            }
+        }
+    }
+}
+
 void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t r0, int64_t r1,
                         int64_t rows, int64_t cols, const float *x, const lm_xq *xq,
                         int64_t ntok, float *y) {
+    if (lm_r16_base(type) >= 0) {
+        dot_rows_r16(k, type, w, r0, r1, rows, cols, x, xq, ntok, y);
+        return;
+    }
     lm_dot_fn dot = k->dot[type];
     lm_dotq_fn dotq = xq != NULL ? k->dotq[type] : NULL;
     lm_dotn_fn dotn = k->dotn[type];
@@ -130,7 +173,13 @@ static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float
     const int mr = k->mr;
     const int64_t K = c->cols;
     for (int i = 0; i < nrows; i++) {
-        k->dequant[c->type](c->w + (r0 + i) * c->row_bytes, tile + (int64_t)i * K, K);
+        const int64_t r = r0 + i;
+        if (lm_r16_base(c->type) >= 0) {
+            k->deq_r16[c->type](c->w + (r / R16) * R16 * c->row_bytes, K, (int)(r % R16),
+                                tile + (int64_t)i * K);
+        } else {
+            k->dequant[c->type](c->w + r * c->row_bytes, tile + (int64_t)i * K, K);
+        }
     }
     if (nrows < mr) {
         memset(tile + (int64_t)nrows * K, 0, (size_t)(mr - nrows) * (size_t)K * sizeof(float));
@@ -184,7 +233,7 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
         return LM_ETYPE;
     }
     const int64_t rb = lm_row_bytes(type, cols);
-    if (rb < 0 || rows < 0 || ntok < 0) {
+    if (rb < 0 || rows < 0 || ntok < 0 || (lm_r16_base(type) >= 0 && rows % R16 != 0)) {
         return LM_EINVAL;
     }
     if (rows == 0 || ntok == 0) {

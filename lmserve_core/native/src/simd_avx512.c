@@ -722,6 +722,7 @@ static void z_install_vnni(lm_kernels *k) {
     k->dotq[LM_Q5_0] = z_dotq_q5_0;
     k->dotq[LM_Q5_1] = z_dotq_q5_1;
     k->dotq[LM_Q8_0] = z_dotq_q8_0;
+    lm_kernels_r16_avx512(k);
 }
 
 void lm_kernels_avx512(lm_kernels *k) {

@@ -18,7 +18,10 @@ int64_t lm_type_block_elems(int type) {
     case LM_Q5_0:
     case LM_Q5_1:
     case LM_Q8_0:
-        return QK;
+    case LM_Q4_0_R16:
+    case LM_Q4_1_R16:
+    case LM_Q8_0_R16:
+        return QK; /* an interleaved row has the bytes of its GGML type's row */
     case LM_Q4_K:
     case LM_Q5_K:
     case LM_Q6_K:
@@ -36,14 +39,17 @@ int64_t lm_type_block_bytes(int type) {
     case LM_BF16:
         return 2;
     case LM_Q4_0:
+    case LM_Q4_0_R16:
         return sizeof(block_q4_0);
     case LM_Q4_1:
+    case LM_Q4_1_R16:
         return sizeof(block_q4_1);
     case LM_Q5_0:
         return sizeof(block_q5_0);
     case LM_Q5_1:
         return sizeof(block_q5_1);
     case LM_Q8_0:
+    case LM_Q8_0_R16:
         return sizeof(block_q8_0);
     case LM_Q4_K:
         return sizeof(block_q4_K);
@@ -442,6 +448,7 @@ void lm_kernels_portable(lm_kernels *k) {
     k->f32_to_f16 = p_f32_to_f16;
     k->f16_to_f32 = p_f16_to_f32;
     lm_kernels_portable_i16(k);
+    lm_kernels_portable_r16(k);
 }
 
 #undef P_MR

@@ -80,9 +80,7 @@ static int g4_carve(lm_base *b, int n, float **out[], const int64_t *lens) {
 
 /* An lm_matrix `rows` rows into m (rows of `cols` elements). */
 static lm_matrix g4_rows_from(lm_matrix m, int64_t rows, int64_t cols) {
-    const lm_matrix out = {(const uint8_t *)m.data + (size_t)rows * (size_t)lm_row_bytes(m.type, cols),
-                           m.type};
-    return out;
+    return lm_matrix_rows(m, rows, cols);
 }
 
 /* ============================================================================ attention */

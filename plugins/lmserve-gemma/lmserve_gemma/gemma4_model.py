@@ -102,7 +102,7 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
 
         layer.attn_norm = self.floats(p + "attn_norm.weight", (d,))
         if has(p + "attn_qkv.weight"):
-            self.matrix(layer.wqkv, p + "attn_qkv.weight", (qd + 2 * kvd, d))
+            self.matrix(layer.wqkv, p + "attn_qkv.weight", (qd + 2 * kvd, d), cuts=(qd, qd + kvd))
         else:
             self.matrix(layer.wq, p + "attn_q.weight", (qd, d))
             if own:
@@ -148,7 +148,8 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
         layer.post_ffn_norm_1 = self.floats(p + "post_ffw_norm_1.weight", (d,))
         layer.post_ffn_norm_2 = self.floats(p + "post_ffw_norm_2.weight", (d,))
         if p + "ffn_gate_up_exps.weight" in self.gguf.tensors:
-            self.matrix(layer.gate_up_exps, p + "ffn_gate_up_exps.weight", (e, 2 * ff, d))
+            self.matrix(layer.gate_up_exps, p + "ffn_gate_up_exps.weight", (e, 2 * ff, d),
+                        cuts=(ff,))
         else:
             self.matrix(layer.gate_exps, p + "ffn_gate_exps.weight", (e, ff, d))
             self.matrix(layer.up_exps, p + "ffn_up_exps.weight", (e, ff, d))

@@ -14,6 +14,7 @@ from tiny_llama import TinySpec, reference_forward, write_tiny_llama
 
 from lmserve_core import memory
 from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.native import kernels as K
 
 
 def open_tiny(tmp_path: Path, spec: TinySpec) -> tuple[GGUFFile, dict[str, np.ndarray]]:
@@ -226,7 +227,9 @@ def test_weights_copied_or_mapped_give_the_same_logits(
 ) -> None:
     """``--weights``: the matrices read from copies in the process's memory, from the mapped
     file, or some from each when the memory available holds only some copies: the same
-    bytes (Q5_0 relaid as Q8_0 either way), the same logits bit for bit."""
+    bytes (Q5_0 relaid as Q8_0 either way), the same logits bit for bit. (Copies in the
+    interleaved layouts: the next test.)"""
+    monkeypatch.setattr(K, "interleaved_for", lambda qtype: None)
     gguf, _ = open_tiny(tmp_path, TinySpec(tied=False, matrix_type=matrix_type, seed=5))
     ids = [int(t) for t in np.random.default_rng(5).integers(0, 128, 12)]
     runs: dict[str, LlamaModel] = {}
@@ -258,3 +261,44 @@ def test_weights_copied_or_mapped_give_the_same_logits(
         assert short.mapped_bytes > 0
     for model in runs.values():
         model.close()
+
+
+@pytest.mark.parametrize(
+    "matrix_type",
+    [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0],
+    ids=["q8_0", "q4_1", "q5_0"],
+)
+def test_interleaved_copies_give_the_values_of_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, matrix_type: GGMLQuantizationType
+) -> None:
+    """Copies in the interleaved layouts (what AVX-512 VNNI machines read; forced here on
+    every machine, through the portable products where need be): a prefill, which decodes
+    the weights to floats, gives the logits of the file's layout bit for bit (embeddings
+    tied, so the table is read from the interleaved copy too); decode's integer products
+    give them within their float rounding, and a token's logits do not depend on how many
+    rows its pass has."""
+    gguf, _ = open_tiny(tmp_path, TinySpec(matrix_type=matrix_type, seed=7))
+    ids = [int(t) for t in np.random.default_rng(7).integers(0, 128, 40)]
+    monkeypatch.setattr(K, "interleaved_for", lambda qtype: None)
+    plain = LlamaModel.load(gguf, n_threads=2)
+    monkeypatch.setattr(K, "interleaved_for", lambda qtype: K._R16_TYPE.get(int(qtype)))
+    packed = LlamaModel.load(gguf, n_threads=2)
+    assert plain.interleaved_bytes == 0 and packed.interleaved_bytes > 0
+    assert packed.interleaved_bytes == plain.copied_bytes + plain.relaid_bytes
+    np.testing.assert_array_equal(
+        packed.forward(packed.new_cache(64), ids, 0, all_logits=True),
+        plain.forward(plain.new_cache(64), ids, 0, all_logits=True),
+    )
+    caches = {m: m.new_cache(64) for m in (plain, packed)}
+    for m, cache in caches.items():
+        m.forward(cache, ids[:32], 0)
+    one_pass = packed.new_cache(64)
+    packed.forward(one_pass, ids[:32], 0)
+    rows = packed.forward(one_pass, ids[32:39], 32, all_logits=True)
+    for i, tok in enumerate(ids[32:39]):  # decoded one at a time
+        want = plain.forward(caches[plain], [tok], 32 + i)
+        got = packed.forward(caches[packed], [tok], 32 + i)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+        np.testing.assert_array_equal(rows[i], got)
+    for m in (plain, packed):
+        m.close()

@@ -88,7 +88,8 @@
     X(int, lm_attend,                                                                              \
       (lm_base * b, const lm_attn *a, int layer, int src, float *q, float *k, const float *v,    \
        int64_t r0, int64_t n, float *att),                                                         \
-      (b, a, layer, src, q, k, v, r0, n, att))
+      (b, a, layer, src, q, k, v, r0, n, att))                                                    \
+    X(lm_matrix, lm_matrix_rows, (lm_matrix m, int64_t row0, int64_t cols), (m, row0, cols))
 
 #define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
 

@@ -50,6 +50,13 @@ int lm_vec_dot_i16(int type, const void *row, const float *x, int64_t n, float *
  * values, in a layout whose products are cheaper. Only Q5_0 -> Q8_0 (the 5-bit integers
  * widened to bytes, the scale kept); LM_ETYPE for any other pair. */
 int lm_convert_row(int from, const void *src, int to, void *dst, int64_t n);
+/* The interleaved layout (enum lm_r16_type) of `type` that the active ISA's products read
+ * faster than `type` itself, or 0 when there is none. */
+int lm_r16_for(int type);
+/* rows x cols of `from` (GGML blocks, row-major; rows a multiple of 16) rewritten into dst as
+ * `to`, the lm_r16_type of `from`: the same bytes in another order. LM_ETYPE for any other
+ * pair. */
+int lm_repack_r16(int from, const void *src, int to, void *dst, int64_t rows, int64_t cols);
 /* x[0..n) (n a multiple of 32) as the int16 activations: q[n] and, per group of 32, its
  * step and its f32 sum in ds[2g], ds[2g + 1]. */
 int lm_quantize_x16(const float *x, int64_t n, int16_t *q, float *ds);
@@ -171,6 +178,10 @@ void *lm_base_tmp(lm_base *b, size_t bytes);
 int lm_base_threads(const lm_base *b);
 /* b->x = rows `tokens` of the embedding table. */
 int lm_embed(lm_base *b, lm_matrix table, const int32_t *tokens, int64_t ntok);
+/* Rows [row0, ..) of m (rows of `cols` elements) as a matrix of their own, whatever m's
+ * layout; no data (which every product refuses) where an interleaved matrix would be cut
+ * inside a group of 16 rows. */
+lm_matrix lm_matrix_rows(lm_matrix m, int64_t row0, int64_t cols);
 /* Attention of rows [r0, r0 + n) of the running chunk, each in its own sequence (b->seqs):
  * rotates q (n, n_head * head_dim) and, when k is not NULL, k (n, n_kv_head * head_dim) in
  * place at each row's position by a->rope (NULL: none), writes k and v as the rows' entries

@@ -11,6 +11,8 @@
 #include "../../src/dispatch.c"
 #include "../../src/simd_avx2.c"
 #include "../../src/simd_avx512.c"
+#include "../../src/rows16.c"
+#include "../../src/simd_r16.c"
 #include "../../src/matmul.c"
 #include "../../src/ops.c"
 #include "../../src/attention.c"

@@ -1,0 +1,194 @@
+/*
+ * AVX-512 VNNI products of the interleaved layouts (rows16.c).
+ *
+ * A tile row's 64 bytes (elements 4R .. 4R + 3 of 16 rows) are widened to words in two
+ * vectors (rows 0..7 and 8..15, two lanes a row) and dpwssd'd with the row's four x values
+ * broadcast; a block's two vectors of lane pairs fold into one vector of the 16 rows' exact
+ * integer sums. The factors are then applied to 16 outputs at once, exactly as the portable
+ * products apply them to one: each output has the portable kernels' bits.
+ */
+#include "lm_internal.h"
+
+#if LM_HAVE_X86
+#include <immintrin.h>
+
+#define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* tile rows 2c, 2c + 1 of a column as bytes: Q4 from 64 packed bytes, Q8 as they are */
+TVNNI static inline void z_r16_rows_q4(const uint8_t *qs, int c, __m512i *r0, __m512i *r1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i p = _mm512_loadu_si512(qs + 64 * c);
+    const __m512i lo = _mm512_and_si512(p, m4), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+    *r0 = _mm512_unpacklo_epi8(lo, hi);
+    *r1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+TVNNI static inline void z_r16_rows_q4_0(const void *col, int c, __m512i *r0, __m512i *r1) {
+    z_r16_rows_q4(((const r16_q4_0 *)col)->qs, c, r0, r1);
+    *r0 = _mm512_sub_epi8(*r0, _mm512_set1_epi8(8));
+    *r1 = _mm512_sub_epi8(*r1, _mm512_set1_epi8(8));
+}
+
+TVNNI static inline void z_r16_rows_q4_1(const void *col, int c, __m512i *r0, __m512i *r1) {
+    z_r16_rows_q4(((const r16_q4_1 *)col)->qs, c, r0, r1);
+}
+
+TVNNI static inline void z_r16_rows_q8_0(const void *col, int c, __m512i *r0, __m512i *r1) {
+    const int8_t *qs = ((const r16_q8_0 *)col)->qs;
+    *r0 = _mm512_loadu_si512(qs + 128 * c);
+    *r1 = _mm512_loadu_si512(qs + 128 * c + 64);
+}
+
+/* Every line of the column R16_AHEAD bytes on: one thread's stream alone does not keep
+ * enough reads in flight to approach the memory bandwidth. */
+#define R16_AHEAD 3072
+static inline void z_r16_prefetch(const void *col, size_t bytes) {
+    const char *at = (const char *)col + R16_AHEAD / bytes * bytes;
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(at + off, 0, 3);
+}
+
+/* lane pairs (2n, 2n + 1) of a (rows 0..7) and b (rows 8..15) summed: the 16 rows' sums */
+TVNNI static inline __m512i z_r16_fold(__m512i a, __m512i b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+}
+
+#define Z_R16_MINS_q4_0 0
+#define Z_R16_MINS_q4_1 1
+#define Z_R16_MINS_q8_0 0
+#define Z_R16_M_q4_0(c) _mm512_setzero_ps()
+#define Z_R16_M_q4_1(c) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c)->m))
+#define Z_R16_M_q8_0(c) _mm512_setzero_ps()
+/* row n's min as a float (types with mins) */
+#define Z_R16_M1_q4_0(c, n) 0.0f
+#define Z_R16_M1_q4_1(c, n) lm_f16(&(c)->m[n])
+#define Z_R16_M1_q8_0(c, n) 0.0f
+
+#define DEF_ZR16(name, col_t)                                                                      \
+    TVNNI static inline __attribute__((always_inline)) void z_r16_body_##name(                     \
+        const col_t *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT, float *y,           \
+        int64_t ldy) {                                                                             \
+        const int64_t K = x->n, nb = K / 32;                                                       \
+        const int16_t *xq[LM_DOTQ_TOKENS];                                                         \
+        const float *ds[LM_DOTQ_TOKENS];                                                           \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            xq[t] = x->q + (t0 + t) * K;                                                           \
+            ds[t] = x->ds + (t0 + t) * (K / 16);                                                   \
+        }                                                                                          \
+        for (int64_t g = 0; g < ng; g++) {                                                         \
+            __m512 acc[LM_DOTQ_TOKENS];                                                            \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();     \
+            for (int64_t b = 0; b < nb; b++) {                                                     \
+                const col_t *c = w + g * nb + b;                                                   \
+                z_r16_prefetch(c, sizeof *c);                                          \
+                __m512i lo[LM_DOTQ_TOKENS], hi[LM_DOTQ_TOKENS];                                    \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
+                    lo[t] = _mm512_setzero_si512();                                                \
+                    hi[t] = _mm512_setzero_si512();                                                \
+                }                                                                                  \
+                _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                              \
+                    __m512i r0, r1;                                                                \
+                    z_r16_rows_##name(c, k, &r0, &r1);                                             \
+                    const __m512i w00 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(r0));          \
+                    const __m512i w01 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(r0, 1));    \
+                    const __m512i w10 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(r1));          \
+                    const __m512i w11 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(r1, 1));    \
+                    _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                         \
+                        int64_t q0, q1;                                                            \
+                        memcpy(&q0, xq[t] + 32 * b + 8 * k, sizeof q0);                            \
+                        memcpy(&q1, xq[t] + 32 * b + 8 * k + 4, sizeof q1);                        \
+                        const __m512i x0 = _mm512_set1_epi64(q0), x1 = _mm512_set1_epi64(q1);      \
+                        lo[t] = _mm512_dpwssd_epi32(lo[t], w00, x0);                               \
+                        hi[t] = _mm512_dpwssd_epi32(hi[t], w01, x0);                               \
+                        lo[t] = _mm512_dpwssd_epi32(lo[t], w10, x1);                               \
+                        hi[t] = _mm512_dpwssd_epi32(hi[t], w11, x1);                               \
+                    }                                                                              \
+                }                                                                                  \
+                const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));       \
+                const __m512 m = Z_R16_M_##name(c);                                                \
+                (void)m;                                                                           \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
+                    const __m512 sum = _mm512_cvtepi32_ps(z_r16_fold(lo[t], hi[t]));               \
+                    acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * b])),  \
+                                             acc[t]);                                              \
+                    if (Z_R16_MINS_##name)                                                         \
+                        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(ds[t][2 * b + 1]), acc[t]);     \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                   \
+                _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);                                    \
+        }                                                                                          \
+    }                                                                                              \
+    TVNNI static void z_dotq_r16_##name(const void *w, int64_t ng, const lm_xq *x, int64_t t0,    \
+                                        int nt, float *y, int64_t ldy) {                           \
+        const col_t *c = w;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: z_r16_body_##name(c, ng, x, t0, 1, y, ldy); break;                                 \
+        case 2: z_r16_body_##name(c, ng, x, t0, 2, y, ldy); break;                                 \
+        case 3: z_r16_body_##name(c, ng, x, t0, 3, y, ldy); break;                                 \
+        case 4: z_r16_body_##name(c, ng, x, t0, 4, y, ldy); break;                                 \
+        case 5: z_r16_body_##name(c, ng, x, t0, 5, y, ldy); break;                                 \
+        case 6: z_r16_body_##name(c, ng, x, t0, 6, y, ldy); break;                                 \
+        case 7: z_r16_body_##name(c, ng, x, t0, 7, y, ldy); break;                                 \
+        default: z_r16_body_##name(c, ng, x, t0, 8, y, ldy); break;                                \
+        }                                                                                          \
+    }                                                                                              \
+    /* row n: its four bytes of each tile row gathered, widened, times the factor (+ min) */     \
+    TVNNI static void z_deq_r16_##name(const void *w, int64_t cols, int n, float *dst) {          \
+        const col_t *col = w;                                                                      \
+        __attribute__((aligned(64))) uint8_t tile[512];                                            \
+        const __m256i at = _mm256_add_epi32(                                                       \
+            _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448), _mm256_set1_epi32(4 * n));    \
+        for (int64_t b = 0; b < cols / 32; b++) {                                                  \
+            const col_t *c = col + b;                                                              \
+            for (int k = 0; k < 4; k++) {                                                          \
+                __m512i r0, r1;                                                                    \
+                z_r16_rows_##name(c, k, &r0, &r1);                                                 \
+                _mm512_store_si512(tile + 128 * k, r0);                                            \
+                _mm512_store_si512(tile + 128 * k + 64, r1);                                       \
+            }                                                                                      \
+            const __m256i q = _mm256_i32gather_epi32((const int *)tile, at, 1);                    \
+            const __m512 f = _mm512_set1_ps(lm_f16(&c->d[n]));                                     \
+            __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                     \
+                                          _mm256_castsi256_si128(q))), f);                         \
+            __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                     \
+                                          _mm256_extracti128_si256(q, 1))), f);                    \
+            if (Z_R16_MINS_##name) {                                                               \
+                const __m512 m = _mm512_set1_ps(Z_R16_M1_##name(c, n));                          \
+                v0 = _mm512_add_ps(v0, m);                                                         \
+                v1 = _mm512_add_ps(v1, m);                                                         \
+            }                                                                                      \
+            _mm512_storeu_ps(dst + 32 * b, v0);                                                    \
+            _mm512_storeu_ps(dst + 32 * b + 16, v1);                                               \
+        }                                                                                          \
+    }
+DEF_ZR16(q4_0, r16_q4_0)
+DEF_ZR16(q4_1, r16_q4_1)
+DEF_ZR16(q8_0, r16_q8_0)
+#undef DEF_ZR16
+
+
+void lm_kernels_r16_avx512(lm_kernels *k) {
+    k->dotq_r16[LM_Q4_0_R16] = z_dotq_r16_q4_0;
+    k->dotq_r16[LM_Q4_1_R16] = z_dotq_r16_q4_1;
+    k->dotq_r16[LM_Q8_0_R16] = z_dotq_r16_q8_0;
+    k->deq_r16[LM_Q4_0_R16] = z_deq_r16_q4_0;
+    k->deq_r16[LM_Q4_1_R16] = z_deq_r16_q4_1;
+    k->deq_r16[LM_Q8_0_R16] = z_deq_r16_q8_0;
+    k->r16_tokens = LM_DOTQ_TOKENS;
+    k->r16_fast = 1;
+}
+
+#undef TVNNI
+#undef R16_AHEAD
+#undef Z_R16_MINS_q4_0
+#undef Z_R16_MINS_q4_1
+#undef Z_R16_MINS_q8_0
+#undef Z_R16_M_q4_0
+#undef Z_R16_M_q4_1
+#undef Z_R16_M_q8_0
+#undef Z_R16_M1_q4_0
+#undef Z_R16_M1_q4_1
+#undef Z_R16_M1_q8_0
+#endif /* LM_HAVE_X86 */

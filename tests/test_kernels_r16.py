@@ -1,0 +1,170 @@
+"""Interleaved layouts (16 rows block column by block column): the repacking, the products
+on every ISA (the same bits for any token count, thread count and ISA's kernels), the paths
+that read rows (embedding lookup, prefill GEMM, f32 decode) and cutting a matrix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_kernels import assert_matmul_close, make_rows, reference
+
+from lmserve_core.native import kernels as K
+
+pytestmark = pytest.mark.usefixtures("restore_isa")
+
+QT = K.QuantType
+R16_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
+
+
+def r16(qtype: QT) -> int:
+    return int(K.Interleaved[qtype.name + "_R16"])
+
+
+@pytest.fixture(params=R16_TYPES, ids=lambda t: t.name)
+def matrix(request, rng) -> tuple[QT, np.ndarray, np.ndarray, int, int]:
+    """(type, GGML bytes, interleaved bytes, rows, cols)."""
+    qtype, rows, cols = request.param, 48, 320
+    raw = make_rows(qtype, rows, cols, rng)
+    return qtype, raw, K.repack_r16(qtype, raw, rows, cols), rows, cols
+
+
+def test_repacking_keeps_every_byte_and_every_row(matrix) -> None:
+    qtype, raw, packed, rows, cols = matrix
+    assert packed.nbytes == raw.nbytes and packed.tobytes() != raw.tobytes()
+    want = reference(qtype, raw, cols)
+    for isa in ISAS:
+        with K.use_isa(isa):
+            got = K.get_rows(r16(qtype), packed, rows, cols, np.arange(rows)[::-1])
+        np.testing.assert_array_equal(got, want[::-1], err_msg=isa.name)
+
+
+def test_repacking_refuses_what_it_cannot_lay_out(rng) -> None:
+    raw = make_rows(QT.Q8_0, 20, 64, rng)
+    with pytest.raises(ValueError):
+        K.repack_r16(QT.Q8_0, raw, 20, 64)  # not whole groups of 16 rows
+    with pytest.raises(TypeError):
+        K.repack_r16(QT.Q5_1, make_rows(QT.Q5_1, 16, 64, rng), 16, 64)
+    from lmserve_core._kernels import ffi, lib
+
+    buf = ffi.new("uint8_t[]", 16 * 34 * 2)
+    assert lib.lm_repack_r16(QT.Q8_0, buf, r16(QT.Q4_0), buf, 16, 64) == lib.LM_ETYPE
+    # rows of an interleaved matrix are not contiguous: the row-level entry points refuse it
+    assert lib.lm_dequantize_row(r16(QT.Q8_0), buf, ffi.new("float[64]"), 64) == lib.LM_ETYPE
+    with pytest.raises(ValueError):
+        K.get_rows(r16(QT.Q8_0), np.zeros(20 * 68, np.uint8), 20, 64, [0])
+
+
+def test_a_layout_is_chosen_only_where_the_products_gain() -> None:
+    for isa in ISAS:
+        with K.use_isa(isa):
+            chosen = {t: K.interleaved_for(t) for t in QT}
+        assert {t for t, v in chosen.items() if v} <= set(R16_TYPES)
+        assert all(v is None or v == r16(t) for t, v in chosen.items())
+        if isa < K.Isa.AVX512:  # their products read it no faster
+            assert not any(chosen.values()), isa.name
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
+def test_products_equal_the_ggml_layouts_within_the_int16_bound(matrix, isa, rng) -> None:
+    qtype, raw, packed, rows, cols = matrix
+    K.select_isa(isa)
+    K.select_decode_precision(K.DecodePrecision.I16)
+    ref = reference(qtype, raw, cols).astype(np.float64)
+    for ntok in (1, 3, 8, 9, 15):
+        x = rng.standard_normal((ntok, cols), dtype=np.float32)
+        got = K.matmul(r16(qtype), packed, rows, cols, x)
+        want = K.matmul(qtype, raw, rows, cols, x)
+        exact = x.astype(np.float64) @ ref.T
+        scale = np.abs(x).astype(np.float64) @ np.abs(ref).T
+        assert_matmul_close(got, exact, scale, K.DecodePrecision.I16, ref, x)
+        # both layouts multiply the same integers: they differ by float rounding alone
+        np.testing.assert_allclose(got, want, rtol=0, atol=float(1e-5 * scale.max()) + 1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
+def test_a_tokens_outputs_do_not_depend_on_the_batch_or_the_threads(matrix, isa, rng) -> None:
+    """What makes speculative verification and batched decoding give the bits of one
+    token at a time."""
+    qtype, _, packed, rows, cols = matrix
+    K.select_isa(isa)
+    K.select_decode_precision(K.DecodePrecision.I16)
+    most = K.DECODE_MAX_ROWS
+    x = rng.standard_normal((most, cols), dtype=np.float32)
+    alone = np.stack([K.matmul(r16(qtype), packed, rows, cols, x[t : t + 1])[0] for t in range(most)])
+    for threads in (1, 2, 3):
+        with K.Pool(threads) as pool:
+            for ntok in (2, 7, 8, 9, most):
+                got = K.matmul(r16(qtype), packed, rows, cols, x[:ntok], pool=pool)
+                np.testing.assert_array_equal(got, alone[:ntok], err_msg=f"{threads} {ntok}")
+
+
+def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
+    """Q4_0 and Q8_0 read only the activations' integers and steps, which every ISA
+    quantizes to the same bits: so their outputs are bit for bit the portable ones."""
+    K.select_decode_precision(K.DecodePrecision.I16)
+    for qtype in (QT.Q4_0, QT.Q8_0):
+        rows, cols = 32, 1024
+        packed = K.repack_r16(qtype, make_rows(qtype, rows, cols, rng), rows, cols)
+        x = rng.standard_normal((5, cols), dtype=np.float32)
+        with K.use_isa(K.Isa.PORTABLE):
+            want = K.matmul(r16(qtype), packed, rows, cols, x)
+        for isa in ISAS:
+            with K.use_isa(isa):
+                got = K.matmul(r16(qtype), packed, rows, cols, x)
+            np.testing.assert_array_equal(got, want, err_msg=f"{qtype.name} {isa.name}")
+
+
+def test_products_propagate_nan(rng) -> None:
+    K.select_decode_precision(K.DecodePrecision.I16)
+    packed = K.repack_r16(QT.Q4_1, make_rows(QT.Q4_1, 16, 64, rng), 16, 64)
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = np.nan
+    for isa in ISAS:
+        with K.use_isa(isa):
+            y = K.matmul(r16(QT.Q4_1), packed, 16, 64, x)
+        assert np.isfinite(y[0]).all() and np.isnan(y[1]).all(), isa.name
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
+def test_many_tokens_and_f32_decode_read_the_same_values(matrix, isa, rng) -> None:
+    """The prefill GEMM decodes an interleaved matrix's rows into exactly the values of the
+    GGML layout; f32 decode multiplies them as floats."""
+    qtype, raw, packed, rows, cols = matrix
+    K.select_isa(isa)
+    x = rng.standard_normal((40, cols), dtype=np.float32)
+    np.testing.assert_array_equal(
+        K.matmul(r16(qtype), packed, rows, cols, x), K.matmul(qtype, raw, rows, cols, x)
+    )
+    K.select_decode_precision(K.DecodePrecision.F32)
+    ref = reference(qtype, raw, cols).astype(np.float64)
+    x = x[:3]
+    scale = np.abs(x).astype(np.float64) @ np.abs(ref).T
+    got = K.matmul(r16(qtype), packed, rows, cols, x)
+    assert_matmul_close(got, x @ ref.T, scale, K.DecodePrecision.F32, ref, x)
+
+
+def test_a_matrix_is_cut_only_at_whole_groups(rng) -> None:
+    """lm_matrix_rows: a cut inside a group of 16 rows gives no data, which every product
+    refuses, instead of rows that are not the ones asked for."""
+    from lmserve_core._kernels import ffi, lib
+
+    rows, cols = 48, 64
+    packed = K.repack_r16(QT.Q8_0, make_rows(QT.Q8_0, rows, cols, rng), rows, cols)
+    buf = ffi.from_buffer(packed)
+    m = ffi.new("lm_matrix *", {"data": ffi.cast("void *", buf), "type": r16(QT.Q8_0)})[0]
+    cut = lib.lm_matrix_rows(m, 16, cols)
+    assert int(ffi.cast("uintptr_t", cut.data)) == int(ffi.cast("uintptr_t", buf)) + 16 * 68
+    assert lib.lm_matrix_rows(m, 8, cols).data == ffi.NULL
+    x = np.ones((1, cols), np.float32)
+    y = np.empty((1, rows), np.float32)
+    assert lib.lm_matmul(ffi.NULL, r16(QT.Q8_0), ffi.NULL, 32, cols, ffi.from_buffer("float[]", x),
+                         1, ffi.from_buffer("float[]", y)) == lib.LM_EINVAL
+    # a matrix of the interleaved type needs whole groups
+    assert lib.lm_matmul(ffi.NULL, r16(QT.Q8_0), buf, 40, cols, ffi.from_buffer("float[]", x),
+                         1, ffi.from_buffer("float[]", y)) == lib.LM_EINVAL
+    # a GGML type is cut anywhere
+    g = ffi.new("lm_matrix *", {"data": ffi.cast("void *", buf), "type": int(QT.Q8_0)})[0]
+    assert int(ffi.cast("uintptr_t", lib.lm_matrix_rows(g, 8, cols).data)) == (
+        int(ffi.cast("uintptr_t", buf)) + 8 * 68
+    )
