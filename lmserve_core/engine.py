@@ -48,6 +48,10 @@ class RequestStream:
     The worker thread writes with ``emit`` (thread-safe, never blocks); the event loop
     reads with ``async for``. ``cancel()`` marks the request cancelled: a queued job is
     skipped, a running one stops at its next token.
+
+    Events wait in a deque; the loop is woken once per run of events, not once per event.
+    Text that arrives in one run (the tokens a speculative pass accepts) is read as one
+    delta, so a stream sends a frame per run rather than per token.
     """
 
     def __init__(
@@ -60,7 +64,10 @@ class RequestStream:
         self._metrics = metrics
         self._last_token: float | None = None
         self._loop = loop
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._items: collections.deque[object] = collections.deque()
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False  # a wake-up is scheduled on the loop and has not run
+        self._waiter: asyncio.Future[None] | None = None
         self._cancelled = threading.Event()
         self._closed = False
         self.timing = _Timing()
@@ -83,10 +90,22 @@ class RequestStream:
         self._put(event)
 
     def _put(self, item: object) -> None:
+        self._items.append(item)
+        with self._wake_lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self._cancelled.set()
+
+    def _wake(self) -> None:  # on the loop
+        with self._wake_lock:
+            self._wake_pending = False
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _close(self) -> None:
         self._put(_SENTINEL)
@@ -102,10 +121,23 @@ class RequestStream:
     async def __anext__(self) -> Event:
         if self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        items = self._items
+        while not items:
+            self._waiter = self._loop.create_future()
+            if items:  # appended before the waiter existed: its wake-up may have run
+                self._waiter = None
+                break
+            await self._waiter
+        item = items.popleft()
         if item is _SENTINEL:
             self._closed = True
             raise StopAsyncIteration
+        if isinstance(item, TextDelta | ReasoningDelta):
+            kind, parts = type(item), [item.text]
+            while items and type(items[0]) is kind:
+                parts.append(items.popleft().text)  # type: ignore[attr-defined]
+            if len(parts) > 1:
+                return kind("".join(parts))
         return item  # type: ignore[return-value]
 
 

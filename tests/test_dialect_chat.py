@@ -312,7 +312,7 @@ def test_parse_helper(openai_client: openai.OpenAI) -> None:
 
 def test_stream(openai_client: openai.OpenAI) -> None:
     stream = openai_client.chat.completions.create(
-        model="m", messages=user("#reply:Streaming works fine."), stream=True
+        model="m", messages=user("#reply:Streaming works fine. #delay:5"), stream=True
     )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -321,7 +321,7 @@ def test_stream(openai_client: openai.OpenAI) -> None:
     assert first.role == "assistant" and first.content == ""
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Streaming works fine."
-    assert len(chunks) > 4  # token-sized deltas, not one blob
+    assert len(chunks) > 4  # tokens paced like a model's come as deltas, not one blob
     last = chunks[-1]
     assert last.choices[0].finish_reason == "stop"
     assert last.choices[0].delta.content is None

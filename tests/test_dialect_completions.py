@@ -65,7 +65,9 @@ def test_default_max_tokens_is_1024(openai_client: openai.OpenAI) -> None:
 
 def test_stream(openai_client: openai.OpenAI) -> None:
     chunks = list(
-        openai_client.completions.create(model="m", prompt="#reply:Streamed text here", stream=True)
+        openai_client.completions.create(
+            model="m", prompt="#reply:Streamed text here #delay:5", stream=True
+        )
     )
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == "Streamed text here"
