@@ -41,7 +41,7 @@ TVNNI static inline void z_r16_rows_q8_0(const void *col, int c, __m512i *r0, __
 
 /* Every line of the column R16_AHEAD bytes on: one thread's stream alone does not keep
  * enough reads in flight to approach the memory bandwidth. */
-#define R16_AHEAD 3072
+#define R16_AHEAD 8192
 static inline void z_r16_prefetch(const void *col, size_t bytes) {
     const char *at = (const char *)col + R16_AHEAD / bytes * bytes;
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(at + off, 0, 3);
