@@ -179,7 +179,9 @@ def test_parse_with_pydantic_format(openai_client: openai.OpenAI) -> None:
 
 
 def test_stream_event_order(openai_client: openai.OpenAI) -> None:
-    stream = openai_client.responses.create(model=MODEL, input="#reply:one two three", stream=True)
+    stream = openai_client.responses.create(
+        model=MODEL, input="#reply:one two three #delay:5", stream=True
+    )
     events = list(stream)
     types = [e.type for e in events]
     assert types[:4] == [
