@@ -49,9 +49,12 @@ static inline void z_r16_prefetch(const void *col, size_t bytes) {
 
 /* lane pairs (2n, 2n + 1) of a (rows 0..7) and b (rows 8..15) summed: the 16 rows' sums */
 TVNNI static inline __m512i z_r16_fold(__m512i a, __m512i b) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+    const __m512i even =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd =
+        _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b),
+                            _mm512_permutex2var_epi32(a, odd, b));
 }
 
 #define Z_R16_MINS_q4_0 0
@@ -81,7 +84,7 @@ TVNNI static inline __m512i z_r16_fold(__m512i a, __m512i b) {
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();     \
             for (int64_t b = 0; b < nb; b++) {                                                     \
                 const col_t *c = w + g * nb + b;                                                   \
-                z_r16_prefetch(c, sizeof *c);                                          \
+                z_r16_prefetch(c, sizeof *c);                                                      \
                 __m512i lo[LM_DOTQ_TOKENS], hi[LM_DOTQ_TOKENS];                                    \
                 _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
                     lo[t] = _mm512_setzero_si512();                                                \
@@ -167,7 +170,6 @@ DEF_ZR16(q4_0, r16_q4_0)
 DEF_ZR16(q4_1, r16_q4_1)
 DEF_ZR16(q8_0, r16_q8_0)
 #undef DEF_ZR16
-
 
 void lm_kernels_r16_avx512(lm_kernels *k) {
     k->dotq_r16[LM_Q4_0_R16] = z_dotq_r16_q4_0;
