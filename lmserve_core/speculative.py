@@ -79,7 +79,7 @@ class VerifyCost:
     def __init__(self) -> None:
         self.row = Pace.VERIFY_ROW_COST
         self.passes = 0
-        self._sums = np.zeros(5)  # weight, sum r, sum r^2, sum t, sum r t
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, sum r, sum r^2, sum t, sum r t
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record one pass of ``rows`` rows (the sampled token and its drafts) that took
@@ -87,10 +87,11 @@ class VerifyCost:
         if rows < 1 or not seconds > 0.0:
             return
         self.passes += 1
-        sums = self._sums
-        sums *= self.FORGET
-        sums += (1.0, rows, rows * rows, seconds, rows * seconds)
-        w, r1, r2, t1, rt = sums
+        f = self.FORGET
+        w, r1, r2, t1, rt = self._sums
+        w, r1, r2 = f * w + 1.0, f * r1 + rows, f * r2 + rows * rows
+        t1, rt = f * t1 + seconds, f * rt + rows * seconds
+        self._sums = (w, r1, r2, t1, rt)
         spread = w * r2 - r1 * r1  # w^2 times the variance of the row counts
         if w < self.MIN_WEIGHT or spread < 0.25 * w * w:
             return
@@ -206,32 +207,46 @@ class _LookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.evidence: int | None = None
-        self._ids = np.empty(0, np.int64)
+        self._ids = np.empty(256, np.int64)  # the history so far, in a buffer that grows
+        self._n = 0
+
+    def _sync(self, history: Sequence[int]) -> np.ndarray:
+        """The history as an array, appending only what is new since the last call."""
+        n, n_hist = self._n, len(history)
+        if n > n_hist or (n and self._ids[n - 1] != history[n - 1]):
+            n = 0  # a different history: start over
+        if n_hist > self._ids.size:
+            grown = np.empty(max(n_hist, 2 * self._ids.size), np.int64)
+            grown[:n] = self._ids[:n]
+            self._ids = grown
+        if n < n_hist:
+            self._ids[n:n_hist] = history[n:]
+        self._n = n_hist
+        return self._ids[:n_hist]
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         n_hist = len(history)
         self.evidence = None
         if k <= 0 or n_hist <= self.min_ngram:
             return []
-        if self._ids.size > n_hist or (self._ids.size and self._ids[-1] != history[self._ids.size - 1]):
-            self._ids = np.empty(0, np.int64)  # a different history: start over
-        if self._ids.size < n_hist:
-            self._ids = np.concatenate([self._ids, np.asarray(history[self._ids.size :], np.int64)])
-        ids = self._ids
-        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
-            tail = ids[n_hist - n :]
-            # candidate starts: positions whose n tokens equal the tail, ending before it
-            starts = np.flatnonzero(ids[: n_hist - n] == tail[0])
-            for i in starts[::-1]:
-                if np.array_equal(ids[i : i + n], tail):
-                    follow = ids[i + n : i + n + k]
-                    if follow.size:
-                        self.evidence = n
-                        return [int(t) for t in follow]
-        return []
+        ids = self._sync(history)
+        # ends: the earlier positions where the last d + 1 tokens occur too, narrowed one
+        # token further back at a time; the latest of the longest match is taken
+        ends = np.flatnonzero(ids[: n_hist - 1] == ids[-1])
+        found, depth = ends, 1
+        while ends.size and depth < min(self.max_ngram, n_hist - 1):
+            ends = ends[ends >= depth]
+            ends = ends[ids[ends - depth] == ids[n_hist - 1 - depth]]
+            if ends.size:
+                found, depth = ends, depth + 1
+        if not found.size or depth < self.min_ngram:
+            return []
+        start = int(found[-1]) + 1
+        self.evidence = depth
+        return [int(t) for t in ids[start : start + k]]
 
     def close(self) -> None:
-        self._ids = np.empty(0, np.int64)
+        self._n = 0
 
 
 class DraftModel:

@@ -50,6 +50,28 @@ def test_prompt_lookup_proposes_what_followed_the_latest_repeat() -> None:
     assert drafter.propose(history, 0) == []
 
 
+def _latest_longest_repeat(history: list[int], k: int, lo: int, hi: int) -> tuple[list[int], int | None]:
+    """What follows the latest earlier occurrence of the longest tail of ``history``
+    (``lo`` to ``hi`` tokens), found by trying every start."""
+    for n in range(min(hi, len(history) - 1), lo - 1, -1):
+        tail = history[len(history) - n :]
+        for i in range(len(history) - n - 1, -1, -1):
+            if history[i : i + n] == tail:
+                return history[i + n : i + n + k], n
+    return [], None
+
+
+def test_prompt_lookup_agrees_with_trying_every_start(rng: np.random.Generator) -> None:
+    for _ in range(300):
+        drafter = PromptLookup(max_ngram=5, min_ngram=2).drafter()
+        history = rng.integers(0, 4, size=int(rng.integers(1, 60))).tolist()
+        for _grow in range(3):  # a generation's drafter follows its history as it grows
+            want, evidence = _latest_longest_repeat(history, 4, 2, 5)
+            assert drafter.propose(history, 4) == want
+            assert drafter.evidence == evidence
+            history.append(int(rng.integers(0, 4)))
+
+
 def test_verify_passes_stay_on_decode_kernels() -> None:
     # the sampled token and MAX_DRAFT drafts: rows whose logits are those of plain decoding
     from lmserve_core.native import kernels
