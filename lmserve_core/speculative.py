@@ -18,6 +18,9 @@ either: the keys and punctuation of a schema cost verify rows, not decode steps.
 
 from __future__ import annotations
 
+import collections
+import math
+import statistics
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -69,36 +72,37 @@ class DraftSource(Protocol):
 
 class VerifyCost:
     """What one more row of a verify pass costs on this machine and model, as a fraction of
-    a plain decode step: a least-squares line through the recent passes' (rows, seconds),
-    older passes weighing less. Until the passes have varied enough in size to fit a line,
-    the prior ``Pace.VERIFY_ROW_COST`` stands."""
+    a plain decode step: over the last ``WINDOW`` verify passes, the median of the time each
+    took beyond a one-row pass, per further row, over the median of the last ``WINDOW``
+    one-row passes. Medians, because a pass that something else on the machine delayed must
+    not move the estimate: a cost read too high stops the drafting whose passes would
+    correct it. Until ``MIN_PASSES`` verify passes have been timed against one-row ones, the
+    prior ``Pace.VERIFY_ROW_COST`` stands."""
 
-    FORGET = 0.97  # each pass weighs this much less with every later one
-    MIN_WEIGHT = 8.0  # passes (weighted) before the fit is trusted
+    WINDOW = 15
+    MIN_PASSES = 5
 
     def __init__(self) -> None:
         self.row = Pace.VERIFY_ROW_COST
         self.passes = 0
-        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, sum r, sum r^2, sum t, sum r t
+        self._steps: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self._extras: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record one pass of ``rows`` rows (the sampled token and its drafts) that took
         ``seconds``."""
-        if rows < 1 or not seconds > 0.0:
+        if rows < 1 or not seconds > 0.0 or not math.isfinite(seconds):
             return
         self.passes += 1
-        f = self.FORGET
-        w, r1, r2, t1, rt = self._sums
-        w, r1, r2 = f * w + 1.0, f * r1 + rows, f * r2 + rows * rows
-        t1, rt = f * t1 + seconds, f * rt + rows * seconds
-        self._sums = (w, r1, r2, t1, rt)
-        spread = w * r2 - r1 * r1  # w^2 times the variance of the row counts
-        if w < self.MIN_WEIGHT or spread < 0.25 * w * w:
+        if rows == 1:
+            self._steps.append(seconds)
             return
-        slope = (w * rt - r1 * t1) / spread
-        step = (t1 - slope * r1) / w + slope  # one row: a plain decode step
-        if step > 0.0:
-            self.row = min(max(slope / step, 0.05), 1.5)
+        if not self._steps:
+            return
+        step = statistics.median(self._steps)
+        self._extras.append((seconds - step) / (rows - 1))
+        if len(self._extras) >= self.MIN_PASSES:
+            self.row = min(max(statistics.median(self._extras) / step, 0.05), 1.5)
 
 
 class _Rate:
@@ -107,6 +111,7 @@ class _Rate:
     def __init__(self, hits: float, trials: float) -> None:
         self.hits, self.trials = hits, trials
         self.paused = 0
+        self.probe = False  # the pause is over: verify one draft whatever the estimates
 
     @property
     def value(self) -> float:
@@ -125,7 +130,9 @@ class Pace:
     comes with: a lookup that matched eight tokens of context is right far more often than
     one that matched two. ``k`` maximises tokens per cost. When no ``k`` beats plain
     decoding for a kind, proposals of that kind are skipped for its next ``PAUSE_TOKENS``
-    chances, then tried again from an even estimate.
+    chances, then tried again from an even estimate, with one draft at least: were the
+    estimates wrong (the cost read while the machine was busy), only passes that verify
+    something can correct them.
     """
 
     VERIFY_ROW_COST = 0.4
@@ -153,8 +160,12 @@ class Pace:
         rate = self._rate(evidence)
         if rate.paused > 0:
             rate.paused -= 1
+            rate.probe = rate.paused == 0
             return 0
         k = self.best(rate.value, min(most, MAX_DRAFT), self.cost.row)
+        if k == 0 and rate.probe and most > 0:
+            k = 1  # its pass refreshes the rate and the cost, right or wrong as they were
+        rate.probe = False
         if k == 0 and most > 0:
             rate.paused = self.PAUSE_TOKENS
             rate.hits, rate.trials = 1.0, 2.0

@@ -116,6 +116,45 @@ def test_verify_cost_is_learnt_from_the_passes() -> None:
     assert learnt.budget(MAX_DRAFT) >= Pace().budget(MAX_DRAFT)
 
 
+def _passes(cost: VerifyCost, rng: np.random.Generator, n: int, step: float, row: float) -> None:
+    for _ in range(n):  # passes of every size, 5% noise
+        rows = int(rng.integers(1, MAX_DRAFT + 2))
+        cost.observe(rows, (step + step * row * (rows - 1)) * rng.uniform(0.95, 1.05))
+
+
+def test_a_few_delayed_passes_do_not_stop_the_drafting(rng: np.random.Generator) -> None:
+    cost = VerifyCost()
+    _passes(cost, rng, 200, 0.004, 0.21)
+    assert cost.row == pytest.approx(0.21, abs=0.03)
+    # a reply with little to draft: one-row passes, and three verify passes that something
+    # else on the machine held up ten times longer than they take
+    for i in range(150):
+        cost.observe(1, 0.004 * rng.uniform(0.95, 1.05))
+        if i in (50, 90, 130):
+            cost.observe(3, 0.030)
+    assert cost.row == pytest.approx(0.21, abs=0.03)
+    pace = Pace(cost)
+    assert all(pace.budget(MAX_DRAFT, 8) > 0 for _ in range(50))
+
+
+def test_after_a_pause_a_draft_is_verified_whatever_the_estimates(rng: np.random.Generator) -> None:
+    cost = VerifyCost()
+    _passes(cost, rng, 100, 0.004, 1.5)  # a busy machine: verify rows cost full steps
+    assert Pace.best(0.8, MAX_DRAFT, cost.row) == 0
+    pace = Pace(cost)
+    drafted = []
+    for _ in range(600):  # the machine is itself again: each further row 0.2 of a step
+        k = pace.budget(MAX_DRAFT, 8)
+        cost.observe(1 + k, 0.004 * (1 + 0.2 * k) * rng.uniform(0.95, 1.05))
+        if k:
+            pace.update(k, k, 8)  # the drafts were right
+        drafted.append(k)
+    # the first chance and the pause after it, then the probe
+    assert drafted[: Pace.PAUSE_TOKENS + 2] == [0] * (Pace.PAUSE_TOKENS + 1) + [1]
+    assert cost.row == pytest.approx(0.2, abs=0.03)
+    assert drafted[-20:] == [MAX_DRAFT] * 20
+
+
 def test_pace_keeps_an_estimate_for_each_kind_of_evidence() -> None:
     pace = Pace()
     for _ in range(8):  # long matches are right, short ones wrong
