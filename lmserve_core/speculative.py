@@ -241,8 +241,9 @@ class _LookupDrafter:
         if k <= 0 or n_hist <= self.min_ngram:
             return []
         ids = self._sync(history)
-        # ends: the earlier positions where the last d + 1 tokens occur too, narrowed one
-        # token further back at a time; the latest of the longest match is taken
+        # ends: the earlier positions (before the last token) where the history's last
+        # `depth` tokens end too, narrowed one token further back at a time; the latest end
+        # of the longest match is taken
         ends = np.flatnonzero(ids[: n_hist - 1] == ids[-1])
         found, depth = ends, 1
         while ends.size and depth < min(self.max_ngram, n_hist - 1):

@@ -139,7 +139,7 @@ def test_a_few_delayed_passes_do_not_stop_the_drafting(rng: np.random.Generator)
 
 def test_after_a_pause_a_draft_is_verified_whatever_the_estimates(rng: np.random.Generator) -> None:
     cost = VerifyCost()
-    _passes(cost, rng, 100, 0.004, 1.5)  # a busy machine: verify rows cost full steps
+    _passes(cost, rng, 100, 0.004, 1.5)  # a busy machine: a further row costs 1.5 steps
     assert Pace.best(0.8, MAX_DRAFT, cost.row) == 0
     pace = Pace(cost)
     drafted = []
