@@ -5,8 +5,11 @@
  * chunks on a grid of absolute positions. An item scores its chunk for every token and query
  * head of the group while the chunk's keys sit in L1, then sums its values the same way,
  * leaving per-chunk (max, sum, output) partials that a second pass merges (the split-softmax
- * of flash decoding). When enough queries share a chunk (a verify pass, a small prefill
- * chunk) its rows are widened to f32 once instead of by every query. A token's partials
+ * of flash decoding). The queries that see the same keys of a chunk (the heads of a kv
+ * head's group, and the tokens of a verify pass or a small prefill chunk before its last
+ * chunk) are scored and summed together, each row read once for several of them; when
+ * enough queries share a chunk its rows are also widened to f32 once. A query's scores and
+ * sums get the same float operations whichever queries it goes with, and its partials
  * depend only on its own position, so a token computed with others gets the bits it gets
  * alone. Chunks keep both threads busy even with a single kv head.
  * Many query tokens (prefill): tiled on the matmul micro-kernel. Each kv head's keys and
@@ -180,6 +183,68 @@ static void chunk_values(const attn_ctx *c, const kv_src *src, const float *p, i
     }
 }
 
+/* Most queries scored or summed together: the heads of a group, of the tokens that see the
+ * same keys of a chunk. */
+#define SET_MAX 32
+
+/* chunk_scores for nq queries that see the same positions: each row read once for several
+ * of them, each query with the bits chunk_scores gives it. */
+static void chunk_scores_n(const attn_ctx *c, const kv_src *src, const float *const *q, int nq,
+                           int64_t j0, int64_t n, float *const *s, float *mx) {
+    const lm_kernels *k = c->k;
+    if (k->qk_scores_n == NULL) {
+        for (int i = 0; i < nq; i++) mx[i] = chunk_scores(c, src, q[i], j0, n, s[i]);
+        return;
+    }
+    const int hd = c->head_dim;
+    for (int i = 0; i < nq; i++) mx[i] = -INFINITY;
+    for (int64_t done = 0; done < n;) {
+        const int64_t pos = j0 + done, len = run_len(c, pos, n - done);
+        float m[SET_MAX], *sd[SET_MAX];
+        for (int i = 0; i < nq; i++) sd[i] = s[i] + done;
+        if (src->rows != NULL) {
+            k->qk_scores_n(q, nq, src->rows + (pos - src->a) * hd, 0, hd, len, hd, c->scale, sd,
+                           m);
+        } else {
+            const int64_t idx = row_index(c, src->kvh, pos);
+            const int half = c->kv_type == LM_F16;
+            k->qk_scores_n(q, nq, src->base + idx * (half ? 2 : 4), half, c->kv_stride, len, hd,
+                           c->scale, sd, m);
+        }
+        for (int i = 0; i < nq; i++) mx[i] = m[i] > mx[i] ? m[i] : mx[i];
+        done += len;
+    }
+}
+
+/* chunk_values for nq queries that see the same positions. */
+static void chunk_values_n(const attn_ctx *c, const kv_src *src, const float *const *p, int nq,
+                           int64_t j0, int64_t n, float *const *out, float *tmp) {
+    const lm_kernels *k = c->k;
+    if (k->pv_sum_n == NULL || run_len(c, j0, n) < n) { /* (a ring's wrap: one by one) */
+        for (int i = 0; i < nq; i++) chunk_values(c, src, p[i], j0, n, out[i], tmp);
+        return;
+    }
+    const int hd = c->head_dim;
+    if (src->rows != NULL) {
+        k->pv_sum_n(p, nq, src->rows + (j0 - src->a) * hd, 0, hd, n, hd, out);
+    } else {
+        const int64_t idx = row_index(c, src->kvh, j0);
+        const int half = c->kv_type == LM_F16;
+        k->pv_sum_n(p, nq, src->base + idx * (half ? 2 : 4), half, c->kv_stride, n, hd, out);
+    }
+}
+
+/* The first token after t (up to t1) that does not see positions lo .. hi of chunk c0. */
+static int64_t same_keys_end(const attn_ctx *c, int64_t t, int64_t t1, int64_t c0, int64_t lo,
+                             int64_t hi) {
+    int64_t te = t + 1, l2, h2;
+    for (; te < t1; te++) {
+        token_keys(c, te, c0, &l2, &h2);
+        if (l2 != lo || h2 != hi) break;
+    }
+    return te;
+}
+
 /* Queries of one item from which its rows are widened once instead of read as f16 by each:
  * below it the copy costs more than it saves. */
 #define WIDEN_MIN_QUERIES 8
@@ -219,29 +284,44 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
             load_rows(c, c->kc, kvh, a, b, rows);
             src.rows = rows;
         }
-        for (int64_t t = t0; t < t1; t++) {
-            float *part0 = group_part(c, t, kvh, kc);
+        /* the queries of tokens that see the same keys of the chunk (all but the last chunk
+         * of a pass's tokens) go together, so that each row is read once for several */
+        for (int64_t t = t0, te; t < t1; t = te) {
             token_keys(c, t, c0, &lo, &hi);
             const int64_t n = hi - lo + 1;
-            for (int g = 0; g < group; g++) {
-                float *part = part0 + g * part_stride;
-                if (n <= 0) { /* this token sees none of the chunk */
-                    part[hd] = -INFINITY;
-                    part[hd + 1] = 0.0f;
-                    continue;
+            te = same_keys_end(c, t, t1, c0, lo, hi);
+            const int64_t total = (te - t) * group;
+            for (int64_t f0 = 0; f0 < total; f0 += SET_MAX) {
+                const int nq = (int)(total - f0 < SET_MAX ? total - f0 : SET_MAX);
+                const float *qs[SET_MAX];
+                float *ss[SET_MAX], mx[SET_MAX];
+                for (int i = 0; i < nq; i++) {
+                    const int64_t u = t + (f0 + i) / group, g = (f0 + i) % group;
+                    qs[i] = c->q + (u * c->n_head + (int64_t)kvh * group + g) * hd;
+                    ss[i] = sc + ((u - t0) * group + g) * c->chunk;
                 }
-                const float *qv = c->q + (t * c->n_head + (int64_t)kvh * group + g) * hd;
-                float *s = sc + ((t - t0) * group + g) * c->chunk;
-                float mx = chunk_scores(c, &src, qv, lo, n, s);
-                if (c->softcap > 0.0f) {
-                    mx = -INFINITY;
-                    for (int64_t j = 0; j < n; j++) {
-                        s[j] = c->softcap * tanhf(s[j] / c->softcap);
-                        mx = s[j] > mx ? s[j] : mx;
+                if (n > 0) {
+                    chunk_scores_n(c, &src, qs, nq, lo, n, ss, mx);
+                }
+                for (int i = 0; i < nq; i++) {
+                    const int64_t u = t + (f0 + i) / group, g = (f0 + i) % group;
+                    float *part = group_part(c, u, kvh, kc) + g * part_stride;
+                    if (n <= 0) { /* this token sees none of the chunk */
+                        part[hd] = -INFINITY;
+                        part[hd + 1] = 0.0f;
+                        continue;
                     }
+                    float *sq = ss[i], m = mx[i];
+                    if (c->softcap > 0.0f) {
+                        m = -INFINITY;
+                        for (int64_t j = 0; j < n; j++) {
+                            sq[j] = c->softcap * tanhf(sq[j] / c->softcap);
+                            m = sq[j] > m ? sq[j] : m;
+                        }
+                    }
+                    part[hd] = m;
+                    part[hd + 1] = k->exp_sum(sq, n, m);
                 }
-                part[hd] = mx;
-                part[hd + 1] = k->exp_sum(s, n, mx);
             }
         }
         if (a > b) {
@@ -252,12 +332,20 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
         if (widen) {
             load_rows(c, c->vc, kvh, a, b, rows);
         }
-        for (int64_t t = t0; t < t1; t++) {
-            float *part0 = group_part(c, t, kvh, kc);
+        for (int64_t t = t0, te; t < t1; t = te) {
             token_keys(c, t, c0, &lo, &hi);
-            for (int g = 0; hi >= lo && g < group; g++) {
-                chunk_values(c, &src, sc + ((t - t0) * group + g) * c->chunk, lo, hi - lo + 1,
-                             part0 + g * part_stride, tmp);
+            te = same_keys_end(c, t, t1, c0, lo, hi);
+            const int64_t total = hi >= lo ? (te - t) * group : 0;
+            for (int64_t f0 = 0; f0 < total; f0 += SET_MAX) {
+                const int nq = (int)(total - f0 < SET_MAX ? total - f0 : SET_MAX);
+                const float *ps[SET_MAX];
+                float *os[SET_MAX];
+                for (int i = 0; i < nq; i++) {
+                    const int64_t u = t + (f0 + i) / group, g = (f0 + i) % group;
+                    ps[i] = sc + ((u - t0) * group + g) * c->chunk;
+                    os[i] = group_part(c, u, kvh, kc) + g * part_stride;
+                }
+                chunk_values_n(c, &src, ps, nq, lo, hi - lo + 1, os, tmp);
             }
         }
     }

@@ -385,6 +385,13 @@ typedef struct {
                            float scale, float *s);
     void (*pv_sum_f16)(const float *p, const uint16_t *v, int64_t vs, int64_t n, int hd,
                        float *out);
+    /* the same for nq queries over the same rows (f16 ones when `half`): query i reads q[i]
+     * (p[i]) and writes s[i] and mx[i] (out[i]), with the bits it gets alone; NULL in tables
+     * that have none (attention then runs the queries one by one) */
+    void (*qk_scores_n)(const float *const *q, int nq, const void *k, int half, int64_t ks,
+                        int64_t n, int hd, float scale, float *const *s, float *mx);
+    void (*pv_sum_n)(const float *const *p, int nq, const void *v, int half, int64_t vs,
+                     int64_t n, int hd, float *const *out);
     /* y[0..n) = x rounded to half (nearest even); and back, exactly */
     void (*f32_to_f16)(const float *x, uint16_t *y, int64_t n);
     void (*f16_to_f32)(const uint16_t *x, float *y, int64_t n);

@@ -574,20 +574,18 @@ T256 static inline __attribute__((always_inline)) __m128 y_qk_block(
     return vmx;
 }
 
-T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t ks, int64_t n,
-                                        int hd, float scale, float *s, int half) {
-    float mx = -INFINITY;
-    int64_t j = 0;
-    if (hd % 8 == 0) {
-        const __m128 vs = _mm_set1_ps(scale);
-        __m128 vmx = _mm_set1_ps(-INFINITY);
-        /* eight keys at a time (eight FMA chains in flight), then four */
-        for (; j + 8 <= n; j += 8) vmx = y_qk_block(q, k, j, ks, hd, vs, s, vmx, half, 8);
-        for (; j + 4 <= n; j += 4) vmx = y_qk_block(q, k, j, ks, hd, vs, s, vmx, half, 4);
-        vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
-        vmx = _mm_max_ss(vmx, _mm_movehdup_ps(vmx));
-        mx = _mm_cvtss_f32(vmx);
-    }
+/* The largest lane of vmx, the maximum of the scores it has seen. */
+T256 static inline float y_max4(__m128 vmx) {
+    vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
+    vmx = _mm_max_ss(vmx, _mm_movehdup_ps(vmx));
+    return _mm_cvtss_f32(vmx);
+}
+
+/* Scores of keys j .. n - 1 one at a time (the keys after the blocks of four, or all of them
+ * when hd is not a multiple of eight); returns the maximum of mx and theirs. */
+T256 static inline float y_qk_singles(const float *q, const void *k, int64_t ks, int64_t j,
+                                      int64_t n, int hd, float scale, float *s, float mx,
+                                      int half) {
     for (; j < n; j++) {
         __m256 acc = _mm256_setzero_ps();
         int d = 0;
@@ -602,6 +600,73 @@ T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t k
         mx = s[j] > mx ? s[j] : mx;
     }
     return mx;
+}
+
+T256 static inline float y_qk_scores_kv(const float *q, const void *k, int64_t ks, int64_t n,
+                                        int hd, float scale, float *s, int half) {
+    float mx = -INFINITY;
+    int64_t j = 0;
+    if (hd % 8 == 0) {
+        const __m128 vs = _mm_set1_ps(scale);
+        __m128 vmx = _mm_set1_ps(-INFINITY);
+        /* eight keys at a time (eight FMA chains in flight), then four */
+        for (; j + 8 <= n; j += 8) vmx = y_qk_block(q, k, j, ks, hd, vs, s, vmx, half, 8);
+        for (; j + 4 <= n; j += 4) vmx = y_qk_block(q, k, j, ks, hd, vs, s, vmx, half, 4);
+        mx = y_max4(vmx);
+    }
+    return y_qk_singles(q, k, ks, j, n, hd, scale, s, mx, half);
+}
+
+/* The blocks of four keys of NQ (1..3) queries: each key row is read (and widened) once for
+ * all of them, and each score gets the operations y_qk_block gives it. */
+T256 static inline __attribute__((always_inline)) void y_qk_group(
+    const float *const *q, const void *k, int64_t ks, int64_t nb, int hd, __m128 vs,
+    float *const *s, __m128 *vmx, int half, const int NQ) {
+    for (int64_t j = 0; j < nb; j += 4) {
+        __m256 a[3][4];
+        for (int t = 0; t < NQ; t++) {
+            for (int r = 0; r < 4; r++) a[t][r] = _mm256_setzero_ps();
+        }
+        for (int d = 0; d < hd; d += 8) {
+            for (int r = 0; r < 4; r++) {
+                const __m256 kv = y_ld_kv(k, (j + r) * ks + d, half);
+                for (int t = 0; t < NQ; t++) {
+                    a[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[t] + d), kv, a[t][r]);
+                }
+            }
+        }
+        for (int t = 0; t < NQ; t++) {
+            const __m128 sc = _mm_mul_ps(y_sum4(a[t][0], a[t][1], a[t][2], a[t][3]), vs);
+            vmx[t] = _mm_max_ps(vmx[t], sc);
+            _mm_storeu_ps(s[t] + j, sc);
+        }
+    }
+}
+
+/* y_qk_scores_kv for nq queries over the same keys, three at a time. */
+T256 static void y_qk_scores_n(const float *const *q, int nq, const void *k, int half, int64_t ks,
+                               int64_t n, int hd, float scale, float *const *s, float *mx) {
+    if (hd % 8 != 0) {
+        for (int i = 0; i < nq; i++) mx[i] = y_qk_scores_kv(q[i], k, ks, n, hd, scale, s[i], half);
+        return;
+    }
+    const __m128 vs = _mm_set1_ps(scale);
+    const int64_t nb = n / 4 * 4;
+    for (int i = 0; i < nq; i += 3) {
+        __m128 vmx[3] = {_mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY)};
+        const int nt = nq - i < 3 ? nq - i : 3;
+        if (nt == 3) {
+            y_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 3);
+        } else if (nt == 2) {
+            y_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 2);
+        } else {
+            y_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 1);
+        }
+        for (int t = 0; t < nt; t++) {
+            mx[i + t] =
+                y_qk_singles(q[i + t], k, ks, nb, n, hd, scale, s[i + t], y_max4(vmx[t]), half);
+        }
+    }
 }
 
 /* out[d0 .. d0 + 8 nv) = sum_j p[j] v[j][...]: nv FMA chains, each dim summed over the keys
@@ -634,6 +699,47 @@ T256 static inline void y_pv_sum_kv(const float *p, const void *v, int64_t vs, i
             o += p[j] * y_kv_at(v, j * vs + d0, half);
         }
         out[d0] = o;
+    }
+}
+
+/* out[t][d0 .. d0 + 16) for NQ (1..4) queries: each value row is read (and widened) once for
+ * all of them, each dimension summed over the keys in order as y_pv_pass sums it. */
+T256 static inline __attribute__((always_inline)) void y_pv_group(
+    const float *const *p, const void *v, int64_t vs, int64_t n, int d0, float *const *out,
+    int half, const int NQ) {
+    __m256 o[4][2];
+    for (int t = 0; t < NQ; t++) o[t][0] = o[t][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const __m256 v0 = y_ld_kv(v, j * vs + d0, half), v1 = y_ld_kv(v, j * vs + d0 + 8, half);
+        for (int t = 0; t < NQ; t++) {
+            const __m256 pj = _mm256_set1_ps(p[t][j]);
+            o[t][0] = _mm256_fmadd_ps(pj, v0, o[t][0]);
+            o[t][1] = _mm256_fmadd_ps(pj, v1, o[t][1]);
+        }
+    }
+    for (int t = 0; t < NQ; t++) {
+        _mm256_storeu_ps(out[t] + d0, o[t][0]);
+        _mm256_storeu_ps(out[t] + d0 + 8, o[t][1]);
+    }
+}
+
+/* y_pv_sum_kv for nq queries over the same values, four at a time. */
+T256 static void y_pv_sum_n(const float *const *p, int nq, const void *v, int half, int64_t vs,
+                            int64_t n, int hd, float *const *out) {
+    if (hd % 16 != 0) {
+        for (int i = 0; i < nq; i++) y_pv_sum_kv(p[i], v, vs, n, hd, out[i], half);
+        return;
+    }
+    for (int i = 0; i < nq; i += 4) {
+        const int nt = nq - i < 4 ? nq - i : 4;
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            switch (nt) {
+            case 4: y_pv_group(p + i, v, vs, n, d0, out + i, half, 4); break;
+            case 3: y_pv_group(p + i, v, vs, n, d0, out + i, half, 3); break;
+            case 2: y_pv_group(p + i, v, vs, n, d0, out + i, half, 2); break;
+            default: y_pv_group(p + i, v, vs, n, d0, out + i, half, 1); break;
+            }
+        }
     }
 }
 
@@ -1108,6 +1214,8 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->pv_sum = y_pv_sum;
     k->qk_scores_f16 = y_qk_scores_f16;
     k->pv_sum_f16 = y_pv_sum_f16;
+    k->qk_scores_n = y_qk_scores_n;
+    k->pv_sum_n = y_pv_sum_n;
     k->f32_to_f16 = y_f32_to_f16;
     k->f16_to_f32 = y_f16_to_f32;
     k->quant_x16 = y_quant_x16;

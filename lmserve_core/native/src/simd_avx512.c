@@ -370,6 +370,139 @@ T512 static float z_vdot_f32(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* ------------------------------------------------------------------ attention rows */
+/* The AVX2 attention kernels' float operations on twice the width: a score vector holds two
+ * keys' eight-lane sums (reduced as y_qk_block reduces them), a value vector sixteen
+ * dimensions, each lane summed over the keys in order. Every output has the AVX2 bits. */
+
+/* Elements d .. d + 7 of rows a and b of a K or V cache, as the two halves of one vector. */
+T512 static inline __m512 z_ld_kv2(const void *base, int64_t a, int64_t b, int half) {
+    if (half) {
+        const uint16_t *h = base;
+        const __m256i both = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(h + a))),
+            _mm_loadu_si128((const __m128i *)(h + b)), 1);
+        return _mm512_cvtph_ps(both);
+    }
+    const float *f = base;
+    return _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(f + a))),
+        _mm256_castps_pd(_mm256_loadu_ps(f + b)), 1));
+}
+
+T512 static inline __m256 z_hi256(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* y_qk_group for NQ (1..6) queries, keys j, j + 1 and j + 2, j + 3 in the halves of two
+ * vectors. */
+T512 static inline __attribute__((always_inline)) void z_qk_group(
+    const float *const *q, const void *k, int64_t ks, int64_t nb, int hd, __m128 vs,
+    float *const *s, __m128 *vmx, int half, const int NQ) {
+    for (int64_t j = 0; j < nb; j += 4) {
+        __m512 a[6][2];
+        for (int t = 0; t < NQ; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m512 k01 = z_ld_kv2(k, j * ks + d, (j + 1) * ks + d, half);
+            const __m512 k23 = z_ld_kv2(k, (j + 2) * ks + d, (j + 3) * ks + d, half);
+            for (int t = 0; t < NQ; t++) {
+                const __m512 qv = _mm512_castpd_ps(
+                    _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q[t] + d))));
+                a[t][0] = _mm512_fmadd_ps(qv, k01, a[t][0]);
+                a[t][1] = _mm512_fmadd_ps(qv, k23, a[t][1]);
+            }
+        }
+        for (int t = 0; t < NQ; t++) {
+            const __m128 sc = _mm_mul_ps(y_sum4(_mm512_castps512_ps256(a[t][0]), z_hi256(a[t][0]),
+                                                _mm512_castps512_ps256(a[t][1]), z_hi256(a[t][1])),
+                                         vs);
+            vmx[t] = _mm_max_ps(vmx[t], sc);
+            _mm_storeu_ps(s[t] + j, sc);
+        }
+    }
+}
+
+T512 static void z_qk_scores_n(const float *const *q, int nq, const void *k, int half, int64_t ks,
+                               int64_t n, int hd, float scale, float *const *s, float *mx) {
+    if (hd % 8 != 0) {
+        y_qk_scores_n(q, nq, k, half, ks, n, hd, scale, s, mx);
+        return;
+    }
+    const __m128 vs = _mm_set1_ps(scale);
+    const int64_t nb = n / 4 * 4;
+    for (int i = 0; i < nq; i += 6) {
+        __m128 vmx[6];
+        for (int t = 0; t < 6; t++) vmx[t] = _mm_set1_ps(-INFINITY);
+        const int nt = nq - i < 6 ? nq - i : 6;
+        switch (nt) {
+        case 6: z_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 6); break;
+        case 5: z_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 5); break;
+        case 4: z_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 4); break;
+        case 3: z_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 3); break;
+        case 2: z_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 2); break;
+        default: z_qk_group(q + i, k, ks, nb, hd, vs, s + i, vmx, half, 1); break;
+        }
+        for (int t = 0; t < nt; t++) {
+            mx[i + t] =
+                y_qk_singles(q[i + t], k, ks, nb, n, hd, scale, s[i + t], y_max4(vmx[t]), half);
+        }
+    }
+}
+
+T512 static inline __m512 z_ld_kv(const void *base, int64_t i, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)))
+                : _mm512_loadu_ps((const float *)base + i);
+}
+
+/* y_pv_group for NQ (1..4) queries and 16 NV dimensions from d0. */
+T512 static inline __attribute__((always_inline)) void z_pv_group(
+    const float *const *p, const void *v, int64_t vs, int64_t n, int d0, float *const *out,
+    int half, const int NQ, const int NV) {
+    __m512 o[4][4];
+    for (int t = 0; t < NQ; t++) {
+        for (int r = 0; r < NV; r++) o[t][r] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < n; j++) {
+        __m512 vr[4];
+        for (int r = 0; r < NV; r++) vr[r] = z_ld_kv(v, j * vs + d0 + 16 * r, half);
+        for (int t = 0; t < NQ; t++) {
+            const __m512 pj = _mm512_set1_ps(p[t][j]);
+            for (int r = 0; r < NV; r++) o[t][r] = _mm512_fmadd_ps(pj, vr[r], o[t][r]);
+        }
+    }
+    for (int t = 0; t < NQ; t++) {
+        for (int r = 0; r < NV; r++) _mm512_storeu_ps(out[t] + d0 + 16 * r, o[t][r]);
+    }
+}
+
+T512 static void z_pv_sum_n(const float *const *p, int nq, const void *v, int half, int64_t vs,
+                            int64_t n, int hd, float *const *out) {
+    if (hd % 16 != 0) {
+        y_pv_sum_n(p, nq, v, half, vs, n, hd, out);
+        return;
+    }
+    for (int i = 0; i < nq; i += 4) {
+        const int nt = nq - i < 4 ? nq - i : 4;
+        int d0 = 0;
+        for (; d0 + 64 <= hd; d0 += 64) {
+            switch (nt) {
+            case 4: z_pv_group(p + i, v, vs, n, d0, out + i, half, 4, 4); break;
+            case 3: z_pv_group(p + i, v, vs, n, d0, out + i, half, 3, 4); break;
+            case 2: z_pv_group(p + i, v, vs, n, d0, out + i, half, 2, 4); break;
+            default: z_pv_group(p + i, v, vs, n, d0, out + i, half, 1, 4); break;
+            }
+        }
+        for (; d0 < hd; d0 += 16) {
+            switch (nt) {
+            case 4: z_pv_group(p + i, v, vs, n, d0, out + i, half, 4, 1); break;
+            case 3: z_pv_group(p + i, v, vs, n, d0, out + i, half, 3, 1); break;
+            case 2: z_pv_group(p + i, v, vs, n, d0, out + i, half, 2, 1); break;
+            default: z_pv_group(p + i, v, vs, n, d0, out + i, half, 1, 1); break;
+            }
+        }
+    }
+}
+
 T512 static void z_vaxpy_f32(float *y, float a, const float *x, int64_t n) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -743,6 +876,8 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->axpy_f32 = z_vaxpy_f32;
     k->scale_f32 = z_vscale_f32;
     k->exp_sum = z_exp_sum;
+    k->qk_scores_n = z_qk_scores_n;
+    k->pv_sum_n = z_pv_sum_n;
     k->silu_mul = z_silu_mul;
     k->gelu_mul = z_gelu_mul;
     if (__builtin_cpu_supports("avx512vnni")) z_install_vnni(k);
