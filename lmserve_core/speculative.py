@@ -218,22 +218,25 @@ class _LookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.evidence: int | None = None
-        self._ids = np.empty(256, np.int64)  # the history so far, in a buffer that grows
-        self._n = 0
+        self._ids: list[int] = []  # the history so far
+        # where each token, and each pair of tokens, ends in it (ascending)
+        self._ones: dict[int, list[int]] = {}
+        self._pairs: dict[tuple[int, int], list[int]] = {}
 
-    def _sync(self, history: Sequence[int]) -> np.ndarray:
-        """The history as an array, appending only what is new since the last call."""
-        n, n_hist = self._n, len(history)
-        if n > n_hist or (n and self._ids[n - 1] != history[n - 1]):
-            n = 0  # a different history: start over
-        if n_hist > self._ids.size:
-            grown = np.empty(max(n_hist, 2 * self._ids.size), np.int64)
-            grown[:n] = self._ids[:n]
-            self._ids = grown
-        if n < n_hist:
-            self._ids[n:n_hist] = history[n:]
-        self._n = n_hist
-        return self._ids[:n_hist]
+    def _sync(self, history: Sequence[int]) -> list[int]:
+        """The history, indexing only what is new since the last call."""
+        ids, n_hist = self._ids, len(history)
+        if len(ids) > n_hist or (ids and ids[-1] != history[len(ids) - 1]):
+            self.close()  # a different history: start over
+            ids = self._ids
+        ones, pairs = self._ones, self._pairs
+        for at in range(len(ids), n_hist):
+            tok = int(history[at])
+            ones.setdefault(tok, []).append(at)
+            if at:
+                pairs.setdefault((ids[-1], tok), []).append(at)
+            ids.append(tok)
+        return ids
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         n_hist = len(history)
@@ -241,24 +244,31 @@ class _LookupDrafter:
         if k <= 0 or n_hist <= self.min_ngram:
             return []
         ids = self._sync(history)
-        # ends: the earlier positions (before the last token) where the history's last
-        # `depth` tokens end too, narrowed one token further back at a time; the latest end
-        # of the longest match is taken
-        ends = np.flatnonzero(ids[: n_hist - 1] == ids[-1])
-        found, depth = ends, 1
-        while ends.size and depth < min(self.max_ngram, n_hist - 1):
-            ends = ends[ends >= depth]
-            ends = ends[ids[ends - depth] == ids[n_hist - 1 - depth]]
-            if ends.size:
-                found, depth = ends, depth + 1
-        if not found.size or depth < self.min_ngram:
+        last = n_hist - 1
+        # the earlier positions (before the last token) where the history's last `depth`
+        # tokens end too, narrowed one token further back at a time; the latest end of the
+        # longest match is taken
+        cap = min(self.max_ngram, last)
+        ends, depth = (self._pairs[ids[-2], ids[-1]][:-1], 2) if cap >= 2 else ([], 1)
+        if not ends:
+            ends, depth = self._ones[ids[-1]][:-1], 1
+            if not ends:
+                return []
+        found = ends
+        while depth < cap:
+            want = ids[last - depth]
+            ends = [e for e in ends if e >= depth and ids[e - depth] == want]
+            if not ends:
+                break
+            found, depth = ends, depth + 1
+        if depth < self.min_ngram:
             return []
-        start = int(found[-1]) + 1
+        start = found[-1] + 1
         self.evidence = depth
-        return [int(t) for t in ids[start : start + k]]
+        return ids[start : start + k]
 
     def close(self) -> None:
-        self._n = 0
+        self._ids, self._ones, self._pairs = [], {}, {}
 
 
 class DraftModel:

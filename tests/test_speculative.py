@@ -61,15 +61,18 @@ def _latest_longest_repeat(history: list[int], k: int, lo: int, hi: int) -> tupl
     return [], None
 
 
-def test_prompt_lookup_agrees_with_trying_every_start(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize(("min_ngram", "max_ngram"), [(2, 5), (1, 8), (1, 1), (2, 2), (3, 4)])
+def test_prompt_lookup_agrees_with_trying_every_start(
+    min_ngram: int, max_ngram: int, rng: np.random.Generator
+) -> None:
     for _ in range(300):
-        drafter = PromptLookup(max_ngram=5, min_ngram=2).drafter()
+        drafter = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram).drafter()
         history = rng.integers(0, 4, size=int(rng.integers(1, 60))).tolist()
         for _grow in range(3):  # a generation's drafter follows its history as it grows
-            want, evidence = _latest_longest_repeat(history, 4, 2, 5)
+            want, evidence = _latest_longest_repeat(history, 4, min_ngram, max_ngram)
             assert drafter.propose(history, 4) == want
             assert drafter.evidence == evidence
-            history.append(int(rng.integers(0, 4)))
+            history.extend(rng.integers(0, 4, size=int(rng.integers(1, 3))).tolist())
 
 
 def test_verify_passes_stay_on_decode_kernels() -> None:
