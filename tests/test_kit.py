@@ -188,9 +188,9 @@ def test_ring_cache_attends_like_full_rows(
 def test_decode_attention_of_a_token_does_not_depend_on_its_neighbours(
     kv_type: str, heads: int, kv_heads: int, hd: int, isa: Any, rng: np.random.Generator
 ) -> None:
-    # A verify pass or a small prefill chunk attends several tokens together (their rows
-    # shared, widened once when enough queries use them); each token must get exactly the
-    # bits it gets alone: greedy speculative decoding relies on it. Windowed layers on a
+    # A verify pass or a small prefill chunk attends several tokens together (the rows of a
+    # chunk read once for the queries that see the same keys); each token must get exactly
+    # the bits it gets alone: greedy speculative decoding relies on it. Windowed layers on a
     # ring that wraps inside chunks, full layers over several chunks.
     n_ctx, window, ntok = 700, 300, K.DECODE_MAX_ROWS  # the most a verify pass may have
     ring = window + ntok - 1

@@ -7,9 +7,9 @@
  * leaving per-chunk (max, sum, output) partials that a second pass merges (the split-softmax
  * of flash decoding). The queries that see the same keys of a chunk (the heads of a kv
  * head's group, and the tokens of a verify pass or a small prefill chunk before its last
- * chunk) are scored and summed together, each row read once for several of them; when
- * enough queries share a chunk its rows are also widened to f32 once. A query's scores and
- * sums get the same float operations whichever queries it goes with, and its partials
+ * chunk) are scored and summed together, each row read (and widened from f16) once for
+ * several of them. A query's scores and sums get the same float operations whichever
+ * queries it goes with, and its partials
  * depend only on its own position, so a token computed with others gets the bits it gets
  * alone. Chunks keep both threads busy even with a single kv head.
  * Many query tokens (prefill): tiled on the matmul micro-kernel. Each kv head's keys and
@@ -38,7 +38,7 @@ typedef struct {
     int64_t n_kc;      /* chunks from kc0 */
     int64_t n_tg;      /* token groups per (kv head, chunk) */
     int64_t tg_max;    /* most tokens in a group */
-    float *scratch;    /* per thread: a chunk's rows as f32, a run's sum, the scores */
+    float *scratch;    /* per thread: a run's sum, the scores */
     size_t scratch_sz; /* floats per thread */
     float *part;       /* (token, head, chunk) x (head_dim outputs, max, sum) */
     /* tiled path */
@@ -81,30 +81,6 @@ static inline int64_t row_index(const attn_ctx *c, int kvh, int64_t pos) {
     return key_row(c, pos) * c->kv_stride + (int64_t)kvh * c->head_dim;
 }
 
-#define LOAD_AHEAD 32 /* rows prefetched ahead of the one being converted */
-
-/* Head kvh's rows of positions a .. b of cache `base` into dst as f32 (head_dim apart). */
-static void load_rows(const attn_ctx *c, const uint8_t *base, int kvh, int64_t a, int64_t b,
-                      float *dst) {
-    const int hd = c->head_dim;
-    const int64_t esz = c->kv_type == LM_F16 ? 2 : 4;
-    for (int64_t p = a; p <= b; p++, dst += hd) {
-        if (p + LOAD_AHEAD <= b) {
-            /* the rows are strided: keep several in flight */
-            const uint8_t *next = base + row_index(c, kvh, p + LOAD_AHEAD) * esz;
-            for (int64_t off = 0; off < hd * esz; off += 64) {
-                __builtin_prefetch(next + off, 0, 3);
-            }
-        }
-        const int64_t idx = row_index(c, kvh, p);
-        if (c->kv_type == LM_F16) {
-            c->k->f16_to_f32((const uint16_t *)base + idx, dst, hd);
-        } else {
-            memcpy(dst, (const float *)base + idx, (size_t)hd * sizeof(float));
-        }
-    }
-}
-
 /* Positions token t sees in chunk c0 .. c0 + chunk - 1 (empty when *lo > *hi). */
 static inline void token_keys(const attn_ctx *c, int64_t t, int64_t c0, int64_t *lo,
                               int64_t *hi) {
@@ -113,18 +89,13 @@ static inline void token_keys(const attn_ctx *c, int64_t t, int64_t c0, int64_t 
     *hi = pos < c0 + c->chunk - 1 ? pos : c0 + c->chunk - 1;
 }
 
-/* Where an item reads its rows: the cache itself (`rows` NULL), or the chunk's rows of one
- * kv head widened to f32, position `a` first. */
+/* Where an item reads its rows: the K or V cache, kv head kvh. */
 typedef struct {
-    const uint8_t *base; /* the K or V cache */
+    const uint8_t *base;
     int kvh;
-    const float *rows;
-    int64_t a;
 } kv_src;
 
-/* The rows of positions j0 .. j0 + n - 1 run by run: a ring wraps at most once in a chunk.
- * Both sources split the same runs and run the same kernels (the f16 rows widened exactly),
- * so a token's scores and sums do not depend on which source its item used. */
+/* The rows of positions j0 .. j0 + n - 1 run by run: a ring wraps at most once in a chunk. */
 static inline int64_t run_len(const attn_ctx *c, int64_t pos, int64_t left) {
     const int64_t row = key_row(c, pos);
     return c->ring > 0 && c->ring - row < left ? c->ring - row : left;
@@ -133,9 +104,6 @@ static inline int64_t run_len(const attn_ctx *c, int64_t pos, int64_t left) {
 static float run_scores(const attn_ctx *c, const kv_src *src, const float *qv, int64_t pos,
                         int64_t len, float *s) {
     const int hd = c->head_dim;
-    if (src->rows != NULL) {
-        return c->k->qk_scores(qv, src->rows + (pos - src->a) * hd, hd, len, hd, c->scale, s);
-    }
     const int64_t idx = row_index(c, src->kvh, pos);
     return c->kv_type == LM_F16
                ? c->k->qk_scores_f16(qv, (const uint16_t *)src->base + idx, c->kv_stride, len,
@@ -147,10 +115,6 @@ static float run_scores(const attn_ctx *c, const kv_src *src, const float *qv, i
 static void run_values(const attn_ctx *c, const kv_src *src, const float *p, int64_t pos,
                        int64_t len, float *out) {
     const int hd = c->head_dim;
-    if (src->rows != NULL) {
-        c->k->pv_sum(p, src->rows + (pos - src->a) * hd, hd, len, hd, out);
-        return;
-    }
     const int64_t idx = row_index(c, src->kvh, pos);
     if (c->kv_type == LM_F16) {
         c->k->pv_sum_f16(p, (const uint16_t *)src->base + idx, c->kv_stride, len, hd, out);
@@ -202,15 +166,10 @@ static void chunk_scores_n(const attn_ctx *c, const kv_src *src, const float *co
         const int64_t pos = j0 + done, len = run_len(c, pos, n - done);
         float m[SET_MAX], *sd[SET_MAX];
         for (int i = 0; i < nq; i++) sd[i] = s[i] + done;
-        if (src->rows != NULL) {
-            k->qk_scores_n(q, nq, src->rows + (pos - src->a) * hd, 0, hd, len, hd, c->scale, sd,
-                           m);
-        } else {
-            const int64_t idx = row_index(c, src->kvh, pos);
-            const int half = c->kv_type == LM_F16;
-            k->qk_scores_n(q, nq, src->base + idx * (half ? 2 : 4), half, c->kv_stride, len, hd,
-                           c->scale, sd, m);
-        }
+        const int64_t idx = row_index(c, src->kvh, pos);
+        const int half = c->kv_type == LM_F16;
+        k->qk_scores_n(q, nq, src->base + idx * (half ? 2 : 4), half, c->kv_stride, len, hd,
+                       c->scale, sd, m);
         for (int i = 0; i < nq; i++) mx[i] = m[i] > mx[i] ? m[i] : mx[i];
         done += len;
     }
@@ -224,14 +183,10 @@ static void chunk_values_n(const attn_ctx *c, const kv_src *src, const float *co
         for (int i = 0; i < nq; i++) chunk_values(c, src, p[i], j0, n, out[i], tmp);
         return;
     }
-    const int hd = c->head_dim;
-    if (src->rows != NULL) {
-        k->pv_sum_n(p, nq, src->rows + (j0 - src->a) * hd, 0, hd, n, hd, out);
-    } else {
-        const int64_t idx = row_index(c, src->kvh, j0);
-        const int half = c->kv_type == LM_F16;
-        k->pv_sum_n(p, nq, src->base + idx * (half ? 2 : 4), half, c->kv_stride, n, hd, out);
-    }
+    const int64_t idx = row_index(c, src->kvh, j0);
+    const int half = c->kv_type == LM_F16;
+    k->pv_sum_n(p, nq, src->base + idx * (half ? 2 : 4), half, c->kv_stride, n, c->head_dim,
+                out);
 }
 
 /* The first token after t (up to t1) that does not see positions lo .. hi of chunk c0. */
@@ -245,10 +200,6 @@ static int64_t same_keys_end(const attn_ctx *c, int64_t t, int64_t t1, int64_t c
     return te;
 }
 
-/* Queries of one item from which its rows are widened once instead of read as f16 by each:
- * below it the copy costs more than it saves. */
-#define WIDEN_MIN_QUERIES 8
-
 /* The partials of token t, chunk kc, for the first head of kv head kvh's group (the next
  * heads follow n_kc * (head_dim + 2) apart). */
 static inline float *group_part(const attn_ctx *c, int64_t t, int kvh, int64_t kc) {
@@ -261,8 +212,7 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
     const lm_kernels *k = c->k;
     const int hd = c->head_dim;
     const int group = c->n_head / c->n_kv_head;
-    float *rows = c->scratch + (size_t)thread * c->scratch_sz;
-    float *tmp = rows + (size_t)c->chunk * hd;
+    float *tmp = c->scratch + (size_t)thread * c->scratch_sz;
     float *sc = tmp + hd; /* (token of the item, head of the group) x chunk */
     const int64_t part_stride = c->n_kc * (hd + 2); /* next head of the group */
     const int64_t items = c->n_kv_head * c->n_kc * c->n_tg;
@@ -278,12 +228,7 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
         int64_t a, b, lo, hi;
         token_keys(c, t0, c0, &a, &hi);
         token_keys(c, t1 - 1, c0, &lo, &b);
-        const int widen = a <= b && (t1 - t0) * group >= WIDEN_MIN_QUERIES;
-        kv_src src = {c->kc, kvh, NULL, a};
-        if (widen) {
-            load_rows(c, c->kc, kvh, a, b, rows);
-            src.rows = rows;
-        }
+        kv_src src = {c->kc, kvh};
         /* the queries of tokens that see the same keys of the chunk (all but the last chunk
          * of a pass's tokens) go together, so that each row is read once for several */
         for (int64_t t = t0, te; t < t1; t = te) {
@@ -329,9 +274,6 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
         }
         /* ... then the values the same way */
         src.base = c->vc;
-        if (widen) {
-            load_rows(c, c->vc, kvh, a, b, rows);
-        }
         for (int64_t t = t0, te; t < t1; t = te) {
             token_keys(c, t, c0, &lo, &hi);
             te = same_keys_end(c, t, t1, c0, lo, hi);
@@ -590,7 +532,7 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
     c.n_tg = c.n_tg < 1 ? 1 : c.n_tg > ntok ? ntok : c.n_tg;
     c.tg_max = (ntok + c.n_tg - 1) / c.n_tg;
     c.scratch_sz =
-        ((size_t)c.chunk * (head_dim + (size_t)c.tg_max * group) + head_dim + 15) & ~(size_t)15;
+        ((size_t)c.chunk * ((size_t)c.tg_max * group) + head_dim + 15) & ~(size_t)15;
     const size_t sbytes = (size_t)nth * c.scratch_sz * sizeof(float);
     const size_t pbytes = (size_t)(ntok * n_head * c.n_kc) * (head_dim + 2) * sizeof(float);
     uint8_t *mem = acq != NULL ? lm_pool_scratch(acq, sbytes + pbytes)
@@ -625,5 +567,3 @@ int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, 
 }
 
 #undef ATTN_TILED_MIN_TOKENS
-#undef WIDEN_MIN_QUERIES
-#undef LOAD_AHEAD

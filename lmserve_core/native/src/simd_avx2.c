@@ -574,6 +574,17 @@ T256 static inline __attribute__((always_inline)) __m128 y_qk_block(
     return vmx;
 }
 
+/* Rows this far ahead of the one being read are prefetched: a kv head's rows are strided
+ * (every kv head of a position is one cache row), which the hardware prefetchers follow
+ * too late for a decode step's attention over a long context. */
+#define KV_AHEAD 16
+
+/* The hd elements of a K or V row, from element i of the cache, on their way to L1. */
+static inline void kv_prefetch(const void *base, int64_t i, int hd, int half) {
+    const char *at = (const char *)base + i * (half ? 2 : 4);
+    for (int off = 0; off < hd * (half ? 2 : 4); off += 64) __builtin_prefetch(at + off, 0, 3);
+}
+
 /* The largest lane of vmx, the maximum of the scores it has seen. */
 T256 static inline float y_max4(__m128 vmx) {
     vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
@@ -623,6 +634,9 @@ T256 static inline __attribute__((always_inline)) void y_qk_group(
     const float *const *q, const void *k, int64_t ks, int64_t nb, int hd, __m128 vs,
     float *const *s, __m128 *vmx, int half, const int NQ) {
     for (int64_t j = 0; j < nb; j += 4) {
+        if (j + KV_AHEAD + 4 <= nb) {
+            for (int r = 0; r < 4; r++) kv_prefetch(k, (j + KV_AHEAD + r) * ks, hd, half);
+        }
         __m256 a[3][4];
         for (int t = 0; t < NQ; t++) {
             for (int r = 0; r < 4; r++) a[t][r] = _mm256_setzero_ps();
@@ -705,11 +719,12 @@ T256 static inline void y_pv_sum_kv(const float *p, const void *v, int64_t vs, i
 /* out[t][d0 .. d0 + 16) for NQ (1..4) queries: each value row is read (and widened) once for
  * all of them, each dimension summed over the keys in order as y_pv_pass sums it. */
 T256 static inline __attribute__((always_inline)) void y_pv_group(
-    const float *const *p, const void *v, int64_t vs, int64_t n, int d0, float *const *out,
-    int half, const int NQ) {
+    const float *const *p, const void *v, int64_t vs, int64_t n, int hd, int d0,
+    float *const *out, int half, const int NQ) {
     __m256 o[4][2];
     for (int t = 0; t < NQ; t++) o[t][0] = o[t][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (d0 == 0 && j + KV_AHEAD < n) kv_prefetch(v, (j + KV_AHEAD) * vs, hd, half);
         const __m256 v0 = y_ld_kv(v, j * vs + d0, half), v1 = y_ld_kv(v, j * vs + d0 + 8, half);
         for (int t = 0; t < NQ; t++) {
             const __m256 pj = _mm256_set1_ps(p[t][j]);
@@ -734,10 +749,10 @@ T256 static void y_pv_sum_n(const float *const *p, int nq, const void *v, int ha
         const int nt = nq - i < 4 ? nq - i : 4;
         for (int d0 = 0; d0 < hd; d0 += 16) {
             switch (nt) {
-            case 4: y_pv_group(p + i, v, vs, n, d0, out + i, half, 4); break;
-            case 3: y_pv_group(p + i, v, vs, n, d0, out + i, half, 3); break;
-            case 2: y_pv_group(p + i, v, vs, n, d0, out + i, half, 2); break;
-            default: y_pv_group(p + i, v, vs, n, d0, out + i, half, 1); break;
+            case 4: y_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 4); break;
+            case 3: y_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 3); break;
+            case 2: y_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 2); break;
+            default: y_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 1); break;
             }
         }
     }

@@ -400,6 +400,9 @@ T512 static inline __attribute__((always_inline)) void z_qk_group(
     const float *const *q, const void *k, int64_t ks, int64_t nb, int hd, __m128 vs,
     float *const *s, __m128 *vmx, int half, const int NQ) {
     for (int64_t j = 0; j < nb; j += 4) {
+        if (j + KV_AHEAD + 4 <= nb) {
+            for (int r = 0; r < 4; r++) kv_prefetch(k, (j + KV_AHEAD + r) * ks, hd, half);
+        }
         __m512 a[6][2];
         for (int t = 0; t < NQ; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
         for (int d = 0; d < hd; d += 8) {
@@ -456,13 +459,14 @@ T512 static inline __m512 z_ld_kv(const void *base, int64_t i, int half) {
 
 /* y_pv_group for NQ (1..4) queries and 16 NV dimensions from d0. */
 T512 static inline __attribute__((always_inline)) void z_pv_group(
-    const float *const *p, const void *v, int64_t vs, int64_t n, int d0, float *const *out,
-    int half, const int NQ, const int NV) {
+    const float *const *p, const void *v, int64_t vs, int64_t n, int hd, int d0,
+    float *const *out, int half, const int NQ, const int NV) {
     __m512 o[4][4];
     for (int t = 0; t < NQ; t++) {
         for (int r = 0; r < NV; r++) o[t][r] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < n; j++) {
+        if (d0 == 0 && j + KV_AHEAD < n) kv_prefetch(v, (j + KV_AHEAD) * vs, hd, half);
         __m512 vr[4];
         for (int r = 0; r < NV; r++) vr[r] = z_ld_kv(v, j * vs + d0 + 16 * r, half);
         for (int t = 0; t < NQ; t++) {
@@ -486,18 +490,18 @@ T512 static void z_pv_sum_n(const float *const *p, int nq, const void *v, int ha
         int d0 = 0;
         for (; d0 + 64 <= hd; d0 += 64) {
             switch (nt) {
-            case 4: z_pv_group(p + i, v, vs, n, d0, out + i, half, 4, 4); break;
-            case 3: z_pv_group(p + i, v, vs, n, d0, out + i, half, 3, 4); break;
-            case 2: z_pv_group(p + i, v, vs, n, d0, out + i, half, 2, 4); break;
-            default: z_pv_group(p + i, v, vs, n, d0, out + i, half, 1, 4); break;
+            case 4: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 4, 4); break;
+            case 3: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 3, 4); break;
+            case 2: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 2, 4); break;
+            default: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 1, 4); break;
             }
         }
         for (; d0 < hd; d0 += 16) {
             switch (nt) {
-            case 4: z_pv_group(p + i, v, vs, n, d0, out + i, half, 4, 1); break;
-            case 3: z_pv_group(p + i, v, vs, n, d0, out + i, half, 3, 1); break;
-            case 2: z_pv_group(p + i, v, vs, n, d0, out + i, half, 2, 1); break;
-            default: z_pv_group(p + i, v, vs, n, d0, out + i, half, 1, 1); break;
+            case 4: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 4, 1); break;
+            case 3: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 3, 1); break;
+            case 2: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 2, 1); break;
+            default: z_pv_group(p + i, v, vs, n, hd, d0, out + i, half, 1, 1); break;
             }
         }
     }
