@@ -9,9 +9,9 @@
  * head's group, and the tokens of a verify pass or a small prefill chunk before its last
  * chunk) are scored and summed together, each row read (and widened from f16) once for
  * several of them. A query's scores and sums get the same float operations whichever
- * queries it goes with, and its partials
- * depend only on its own position, so a token computed with others gets the bits it gets
- * alone. Chunks keep both threads busy even with a single kv head.
+ * queries it goes with, and its partials depend only on its own position, so a token
+ * computed with others gets the bits it gets alone. Chunks keep both threads busy even
+ * with a single kv head.
  * Many query tokens (prefill): tiled on the matmul micro-kernel. Each kv head's keys and
  * values are packed once into the GEMM's k-major panels; query rows (token, head of the
  * group) are taken `nr` at a time, S = Q K^T and O = P V then run at GEMM speed.
