@@ -585,6 +585,15 @@ static inline void kv_prefetch(const void *base, int64_t i, int hd, int half) {
     for (int off = 0; off < hd * (half ? 2 : 4); off += 64) __builtin_prefetch(at + off, 0, 3);
 }
 
+/* The rows of keys j + KV_AHEAD .. j + KV_AHEAD + 3 (of nb, ks elements apart) on their way
+ * to L1, ahead of a block of four keys. */
+static inline void kv_prefetch_four(const void *k, int64_t j, int64_t nb, int64_t ks, int hd,
+                                    int half) {
+    if (j + KV_AHEAD + 4 <= nb) {
+        for (int r = 0; r < 4; r++) kv_prefetch(k, (j + KV_AHEAD + r) * ks, hd, half);
+    }
+}
+
 /* The largest lane of vmx, the maximum of the scores it has seen. */
 T256 static inline float y_max4(__m128 vmx) {
     vmx = _mm_max_ps(vmx, _mm_movehl_ps(vmx, vmx));
@@ -634,9 +643,7 @@ T256 static inline __attribute__((always_inline)) void y_qk_group(
     const float *const *q, const void *k, int64_t ks, int64_t nb, int hd, __m128 vs,
     float *const *s, __m128 *vmx, int half, const int NQ) {
     for (int64_t j = 0; j < nb; j += 4) {
-        if (j + KV_AHEAD + 4 <= nb) {
-            for (int r = 0; r < 4; r++) kv_prefetch(k, (j + KV_AHEAD + r) * ks, hd, half);
-        }
+        kv_prefetch_four(k, j, nb, ks, hd, half);
         __m256 a[3][4];
         for (int t = 0; t < NQ; t++) {
             for (int r = 0; r < 4; r++) a[t][r] = _mm256_setzero_ps();

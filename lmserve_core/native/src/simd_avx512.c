@@ -400,9 +400,7 @@ T512 static inline __attribute__((always_inline)) void z_qk_group(
     const float *const *q, const void *k, int64_t ks, int64_t nb, int hd, __m128 vs,
     float *const *s, __m128 *vmx, int half, const int NQ) {
     for (int64_t j = 0; j < nb; j += 4) {
-        if (j + KV_AHEAD + 4 <= nb) {
-            for (int r = 0; r < 4; r++) kv_prefetch(k, (j + KV_AHEAD + r) * ks, hd, half);
-        }
+        kv_prefetch_four(k, j, nb, ks, hd, half);
         __m512 a[6][2];
         for (int t = 0; t < NQ; t++) a[t][0] = a[t][1] = _mm512_setzero_ps();
         for (int d = 0; d < hd; d += 8) {
