@@ -101,18 +101,25 @@ def test_a_tokens_outputs_do_not_depend_on_the_batch_or_the_threads(matrix, isa,
 
 def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
     """Q4_0 and Q8_0 read only the activations' integers and steps, which every ISA
-    quantizes to the same bits: so their outputs are bit for bit the portable ones."""
+    quantizes to the same bits: so their outputs are bit for bit the portable ones, whether
+    a kernel multiplies the few tokens' bytes or the more tokens' words."""
     K.select_decode_precision(K.DecodePrecision.I16)
     for qtype in (QT.Q4_0, QT.Q8_0):
         rows, cols = 32, 1024
-        packed = K.repack_r16(qtype, make_rows(qtype, rows, cols, rng), rows, cols)
-        x = rng.standard_normal((5, cols), dtype=np.float32)
-        with K.use_isa(K.Isa.PORTABLE):
-            want = K.matmul(r16(qtype), packed, rows, cols, x)
-        for isa in ISAS:
-            with K.use_isa(isa):
-                got = K.matmul(r16(qtype), packed, rows, cols, x)
-            np.testing.assert_array_equal(got, want, err_msg=f"{qtype.name} {isa.name}")
+        raw = make_rows(qtype, rows, cols, rng)
+        if qtype == QT.Q8_0:  # the bytes' extremes, against x's (each group's +-32767)
+            blocks = raw.reshape(-1, 34)
+            blocks[::2, 2:] = np.array([-128, 127], np.int8).view(np.uint8)[rng.integers(0, 2, 32)]
+        packed = K.repack_r16(qtype, raw, rows, cols)
+        x = rng.standard_normal((8, cols), dtype=np.float32)
+        x[:, ::64] = np.float32(-40.0)  # a low byte of 1 under a high byte of -128
+        for ntok in (1, 2, 3, 4, 5, 8):
+            with K.use_isa(K.Isa.PORTABLE):
+                want = K.matmul(r16(qtype), packed, rows, cols, x[:ntok])
+            for isa in ISAS:
+                with K.use_isa(isa):
+                    got = K.matmul(r16(qtype), packed, rows, cols, x[:ntok])
+                np.testing.assert_array_equal(got, want, err_msg=f"{qtype.name} {isa.name} {ntok}")
 
 
 def test_products_propagate_nan(rng) -> None:

@@ -56,22 +56,30 @@ static size_t xq_q_bytes(int64_t ntok, int64_t cols) {
     return ((size_t)(ntok * cols) * sizeof(int16_t) + 63) & ~(size_t)63;
 }
 
-/* room for the quads too, whichever table quantizes: they are a few KiB */
+static size_t xq_b_bytes(int64_t ntok, int64_t cols) {
+    return ((size_t)(ntok * LM_BYTE_COLS(cols)) + 63) & ~(size_t)63;
+}
+
+/* room for the quads and the bytes too, whichever table quantizes: they are a few KiB */
 size_t lm_xq_bytes(int64_t ntok, int64_t cols) {
     return xq_q_bytes(ntok, cols) + xq_q_bytes(ntok, LM_QUAD_COLS(cols)) +
-           (size_t)(ntok * (cols / 16)) * sizeof(float);
+           xq_b_bytes(ntok, cols) + (size_t)(ntok * (cols / 16)) * sizeof(float);
 }
 
 void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t cols, void *mem,
                       lm_xq *xq) {
     uint8_t *m = mem;
     xq->q = (int16_t *)m;
-    xq->q4 = k->quads_x16 != NULL ? (int16_t *)(m + xq_q_bytes(ntok, cols)) : NULL;
-    xq->ds = (float *)(m + xq_q_bytes(ntok, cols) + xq_q_bytes(ntok, LM_QUAD_COLS(cols)));
+    const size_t at_q4 = xq_q_bytes(ntok, cols);
+    const size_t at_b = at_q4 + xq_q_bytes(ntok, LM_QUAD_COLS(cols));
+    xq->q4 = k->quads_x16 != NULL ? (int16_t *)(m + at_q4) : NULL;
+    xq->b = k->bytes_x16 != NULL ? m + at_b : NULL;
+    xq->ds = (float *)(m + at_b + xq_b_bytes(ntok, cols));
     xq->n = cols;
     for (int64_t t = 0; t < ntok; t++) {
         k->quant_x16(x + t * cols, cols, xq->q + t * cols, xq->ds + t * (cols / 16));
         if (xq->q4 != NULL) k->quads_x16(xq->q + t * cols, cols, xq->q4 + t * LM_QUAD_COLS(cols));
+        if (xq->b != NULL) k->bytes_x16(xq->q + t * cols, cols, xq->b + t * LM_BYTE_COLS(cols));
     }
 }
 

@@ -321,6 +321,9 @@ typedef struct {
     /* The same integers in quads (lm_kernels.quads_x16), or NULL when the table's kernels
      * read q only. Token t: q4 + t * LM_QUAD_COLS(n). */
     int16_t *q4;
+    /* The same integers as bytes (lm_kernels.bytes_x16), or NULL when no kernel of the
+     * table reads them. Token t: b + t * LM_BYTE_COLS(n). */
+    uint8_t *b;
 } lm_xq;
 
 /* One token's x[0..n) into q and ds (n a multiple of 32): d = max|x| / 32767 per group,
@@ -334,6 +337,11 @@ typedef void (*lm_quant_x16_fn)(const float *x, int64_t n, int16_t *q, float *ds
  * of the four groups in turn. */
 typedef void (*lm_quads_x16_fn)(const int16_t *q, int64_t n, int16_t *q4);
 #define LM_QUAD_COLS(n) (((n) + 127) / 128 * 128)
+/* A token's quantized x as bytes, for kernels that multiply bytes: q = 256 hi + lo with
+ * hi = q >> 8 (arithmetic, -128..127) and lo = q & 255 (0..255); b[0 .. n) holds lo,
+ * b[n .. 2n) hi, and from b + 2n the int32 sum of hi over each group of 32. */
+typedef void (*lm_bytes_x16_fn)(const int16_t *q, int64_t n, uint8_t *b);
+#define LM_BYTE_COLS(n) (2 * (n) + (n) / 32 * 4)
 /* out[t * ldo] = dot(row, token t0 + t of x) for t < nt (1..LM_DOTQ_TOKENS), integer products
  * per group: each weight group is unpacked once for all nt tokens. */
 #define LM_DOTQ_TOKENS 8
@@ -359,6 +367,7 @@ typedef struct {
     lm_dotn_fn dotn[LM_NTYPES]; /* NULL: one dot per token */
     lm_quant_x16_fn quant_x16;
     lm_quads_x16_fn quads_x16; /* NULL: the integer products read lm_xq.q only */
+    lm_bytes_x16_fn bytes_x16; /* NULL: no kernel reads lm_xq.b */
     lm_dotq_fn dotq[LM_NTYPES]; /* NULL: the type has no integer path (f32 products) */
     lm_dotq_r16_fn dotq_r16[LM_NTYPES]; /* by interleaved type (lm_r16_type) */
     lm_deq_r16_fn deq_r16[LM_NTYPES];

@@ -6,6 +6,15 @@
  * broadcast; a block's two vectors of lane pairs fold into one vector of the 16 rows' exact
  * integer sums. The factors are then applied to 16 outputs at once, exactly as the portable
  * products apply them to one: each output has the portable kernels' bits.
+ *
+ * Up to Z_R16_BYTE_TOKENS tokens, the tile rows are multiplied as bytes instead (dpbusd,
+ * four products a lane: each lane is one row's four elements, so there is neither widening
+ * nor fold). x = 256 hi + lo (lm_bytes_x16_fn): the low bytes are the unsigned operand
+ * against the weights; the high bytes are signed, so against them the weights are made
+ * unsigned by an offset C (8 for Q4_0's nibbles, 128 for Q8_0's bytes, none for Q4_1's)
+ * that the group's sum of hi takes back out. The sums are the same integers, so the outputs
+ * have the same bits. A plain decode step's products (one token) no longer widen the
+ * weights, and no token's sums need the fold's shuffles.
  */
 #include "lm_internal.h"
 
@@ -55,6 +64,54 @@ TVNNI static inline __m512i z_r16_fold(__m512i a, __m512i b) {
         _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b),
                             _mm512_permutex2var_epi32(a, odd, b));
+}
+
+/* A token's x as bytes (lm_bytes_x16_fn). */
+TVNNI static void z_bytes_x16(const int16_t *q, int64_t n, uint8_t *b) {
+    int32_t *hsum = (int32_t *)(b + 2 * n);
+    for (int64_t g = 0; g < n / 32; g++) {
+        const __m512i v = _mm512_loadu_si512(q + 32 * g);
+        const __m512i hi = _mm512_srai_epi16(v, 8);
+        _mm256_storeu_si256((__m256i *)(b + 32 * g), _mm512_cvtepi16_epi8(v));
+        _mm256_storeu_si256((__m256i *)(b + n + 32 * g), _mm512_cvtepi16_epi8(hi));
+        hsum[g] = _mm512_reduce_add_epi32(_mm512_madd_epi16(hi, _mm512_set1_epi16(1)));
+    }
+}
+
+/* tile rows 2c, 2c + 1 as bytes for dpbusd: s0, s1 the weights' integers (signed), u0, u1
+ * the same plus the type's Z_R16_C (unsigned) */
+TVNNI static inline void z_r16_brows_q4_0(const void *col, int c, __m512i *s0, __m512i *s1,
+                                          __m512i *u0, __m512i *u1) {
+    z_r16_rows_q4(((const r16_q4_0 *)col)->qs, c, u0, u1);
+    *s0 = _mm512_sub_epi8(*u0, _mm512_set1_epi8(8));
+    *s1 = _mm512_sub_epi8(*u1, _mm512_set1_epi8(8));
+}
+
+TVNNI static inline void z_r16_brows_q4_1(const void *col, int c, __m512i *s0, __m512i *s1,
+                                          __m512i *u0, __m512i *u1) {
+    z_r16_rows_q4(((const r16_q4_1 *)col)->qs, c, s0, s1);
+    *u0 = *s0;
+    *u1 = *s1;
+}
+
+TVNNI static inline void z_r16_brows_q8_0(const void *col, int c, __m512i *s0, __m512i *s1,
+                                          __m512i *u0, __m512i *u1) {
+    z_r16_rows_q8_0(col, c, s0, s1);
+    *u0 = _mm512_xor_si512(*s0, _mm512_set1_epi8((char)0x80));
+    *u1 = _mm512_xor_si512(*s1, _mm512_set1_epi8((char)0x80));
+}
+
+#define Z_R16_C_q4_0 8
+#define Z_R16_C_q4_1 0
+#define Z_R16_C_q8_0 128
+/* Most tokens whose products are made of bytes: past 4 the words' kernel was the faster
+ * (on SmolLM2's matrices, 2 threads), keeping two sums a token where the bytes keep four. */
+#define Z_R16_BYTE_TOKENS 4
+
+static inline int32_t z_r16_quad(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
 #define Z_R16_MINS_q4_0 0
@@ -123,9 +180,72 @@ TVNNI static inline __m512i z_r16_fold(__m512i a, __m512i b) {
                 _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);                                    \
         }                                                                                          \
     }                                                                                              \
+    TVNNI static inline __attribute__((always_inline)) void z_r16_bytes_##name(                    \
+        const col_t *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT, float *y,           \
+        int64_t ldy) {                                                                             \
+        const int64_t K = x->n, nb = K / 32;                                                       \
+        const uint8_t *lo[Z_R16_BYTE_TOKENS], *hi[Z_R16_BYTE_TOKENS];                              \
+        const int32_t *hs[Z_R16_BYTE_TOKENS];                                                      \
+        const float *ds[Z_R16_BYTE_TOKENS];                                                        \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                     \
+            lo[t] = x->b + (t0 + t) * LM_BYTE_COLS(K);                                             \
+            hi[t] = lo[t] + K;                                                                     \
+            hs[t] = (const int32_t *)(lo[t] + 2 * K);                                              \
+            ds[t] = x->ds + (t0 + t) * (K / 16);                                                   \
+        }                                                                                          \
+        for (int64_t g = 0; g < ng; g++) {                                                         \
+            __m512 acc[Z_R16_BYTE_TOKENS];                                                         \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();     \
+            for (int64_t b = 0; b < nb; b++) {                                                     \
+                const col_t *c = w + g * nb + b;                                                   \
+                z_r16_prefetch(c, sizeof *c);                                                      \
+                /* two sums of each kind a token, for chains of four dependent products */        \
+                __m512i l0[Z_R16_BYTE_TOKENS], l1[Z_R16_BYTE_TOKENS];                              \
+                __m512i h0[Z_R16_BYTE_TOKENS], h1[Z_R16_BYTE_TOKENS];                              \
+                _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                             \
+                    l0[t] = l1[t] = h0[t] = h1[t] = _mm512_setzero_si512();                        \
+                }                                                                                  \
+                _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                              \
+                    __m512i s0, s1, u0, u1;                                                        \
+                    z_r16_brows_##name(c, k, &s0, &s1, &u0, &u1);                                  \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                         \
+                        const int64_t e = 32 * b + 8 * k;                                          \
+                        l0[t] = _mm512_dpbusd_epi32(l0[t], _mm512_set1_epi32(z_r16_quad(lo[t] + e)), s0); \
+                        l1[t] = _mm512_dpbusd_epi32(l1[t], _mm512_set1_epi32(z_r16_quad(lo[t] + e + 4)), s1); \
+                        h0[t] = _mm512_dpbusd_epi32(h0[t], u0, _mm512_set1_epi32(z_r16_quad(hi[t] + e))); \
+                        h1[t] = _mm512_dpbusd_epi32(h1[t], u1, _mm512_set1_epi32(z_r16_quad(hi[t] + e + 4))); \
+                    }                                                                              \
+                }                                                                                  \
+                const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));       \
+                const __m512 m = Z_R16_M_##name(c);                                                \
+                (void)m;                                                                           \
+                _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                             \
+                    __m512i h = _mm512_add_epi32(h0[t], h1[t]);                                    \
+                    if (Z_R16_C_##name)                                                            \
+                        h = _mm512_sub_epi32(h, _mm512_set1_epi32(Z_R16_C_##name * hs[t][b]));     \
+                    const __m512i isum =                                                           \
+                        _mm512_add_epi32(_mm512_slli_epi32(h, 8), _mm512_add_epi32(l0[t], l1[t])); \
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),                             \
+                                             _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * b])), acc[t]); \
+                    if (Z_R16_MINS_##name)                                                         \
+                        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(ds[t][2 * b + 1]), acc[t]);     \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                                   \
+                _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);                                    \
+        }                                                                                          \
+    }                                                                                              \
     TVNNI static void z_dotq_r16_##name(const void *w, int64_t ng, const lm_xq *x, int64_t t0,    \
                                         int nt, float *y, int64_t ldy) {                           \
         const col_t *c = w;                                                                        \
+        if (x->b != NULL && nt <= Z_R16_BYTE_TOKENS) {                                             \
+            switch (nt) {                                                                          \
+            case 1: z_r16_bytes_##name(c, ng, x, t0, 1, y, ldy); return;                           \
+            case 2: z_r16_bytes_##name(c, ng, x, t0, 2, y, ldy); return;                           \
+            case 3: z_r16_bytes_##name(c, ng, x, t0, 3, y, ldy); return;                           \
+            default: z_r16_bytes_##name(c, ng, x, t0, 4, y, ldy); return;                          \
+            }                                                                                      \
+        }                                                                                          \
         switch (nt) {                                                                              \
         case 1: z_r16_body_##name(c, ng, x, t0, 1, y, ldy); break;                                 \
         case 2: z_r16_body_##name(c, ng, x, t0, 2, y, ldy); break;                                 \
@@ -178,12 +298,17 @@ void lm_kernels_r16_avx512(lm_kernels *k) {
     k->deq_r16[LM_Q4_0_R16] = z_deq_r16_q4_0;
     k->deq_r16[LM_Q4_1_R16] = z_deq_r16_q4_1;
     k->deq_r16[LM_Q8_0_R16] = z_deq_r16_q8_0;
+    k->bytes_x16 = z_bytes_x16;
     k->r16_tokens = LM_DOTQ_TOKENS;
     k->r16_fast = 1;
 }
 
 #undef TVNNI
 #undef R16_AHEAD
+#undef Z_R16_BYTE_TOKENS
+#undef Z_R16_C_q4_0
+#undef Z_R16_C_q4_1
+#undef Z_R16_C_q8_0
 #undef Z_R16_MINS_q4_0
 #undef Z_R16_MINS_q4_1
 #undef Z_R16_MINS_q8_0
