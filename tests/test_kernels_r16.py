@@ -108,8 +108,9 @@ def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
         rows, cols = 32, 1024
         raw = make_rows(qtype, rows, cols, rng)
         if qtype == QT.Q8_0:  # the bytes' extremes, against x's (each group's +-32767)
-            blocks = raw.reshape(-1, 34)
+            blocks = raw.reshape(-1, 34).copy()
             blocks[::2, 2:] = np.array([-128, 127], np.int8).view(np.uint8)[rng.integers(0, 2, 32)]
+            raw = blocks.reshape(rows, -1)
         packed = K.repack_r16(qtype, raw, rows, cols)
         x = rng.standard_normal((8, cols), dtype=np.float32)
         x[:, ::64] = np.float32(-40.0)  # a low byte of 1 under a high byte of -128
