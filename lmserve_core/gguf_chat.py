@@ -628,6 +628,9 @@ class GGUFChatBackend:
         if gen.slot is None:
             gen.slot, gen.usage.cached_tokens = self.slots.adopt(prompt)
             gen.slot.busy = True
+            plan = getattr(gen.slot.cache, "plan", None)
+            if plan is not None:  # a recurrent state: where to keep checkpoints of it
+                plan(len(prompt))
             log.info(
                 "kv_reuse", id=gen.request.id, tier=self.slots.last_tier,
                 cached_tokens=gen.usage.cached_tokens, prompt_tokens=len(prompt),
@@ -712,6 +715,10 @@ class GGUFChatBackend:
             self._write_one(gen, tokens)
             self.verify_cost.observe(len(tokens), time.perf_counter() - started)
             return
+        # a state that cannot be cut back is remembered, to return to if drafts are refused
+        rewind = not slot.cache.kind.truncate
+        if rewind:
+            slot.cache.mark()  # type: ignore[attr-defined]
         rows = self.model.forward(slot.cache, tokens + drafts, len(slot.tokens), all_logits=True)
         self.verify_cost.observe(len(tokens) + len(drafts), time.perf_counter() - started)
         written = list(tokens)  # the rows that hold this sequence's tokens
@@ -731,6 +738,9 @@ class GGUFChatBackend:
         else:
             gen.logits = rows[len(drafts)]
         pace.update(len(drafts), accepted, evidence)
+        if rewind and len(written) < len(tokens) + len(drafts):
+            # the state went past the rows kept: back to before the pass, then the kept rows
+            self.model.forward(slot.cache, written, slot.cache.rewind())  # type: ignore[attr-defined]
         slot.tokens.extend(written)
 
     @staticmethod

@@ -26,7 +26,7 @@ from lmserve_core.native import kernels
 
 from .rope import Rope
 
-__all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "Routing"]
+__all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "RecurrentCache", "Routing"]
 
 # Most tokens per weight pass: large enough that prefill is compute-bound, small enough that
 # the scratch (a few n_batch x n_ff float buffers) stays a few MB.
@@ -39,6 +39,20 @@ _bind_lock = threading.Lock()
 
 
 SLIDING = CacheKind(name="sliding")
+# A cache with recurrent layers: their state stands for every position written and cannot be
+# cut back, so the cache resumes only from its end or from a checkpoint it kept.
+RECURRENT = CacheKind(name="recurrent", truncate=False)
+
+# Checkpoints of the recurrent state a cache keeps at most (each is the states' bytes), and
+# the spacing of the evenly spaced ones in a long prompt.
+MAX_CHECKPOINTS = 8
+CHECKPOINT_EVERY = 1024
+# Checkpoints this many positions before the end of a prompt: a chat's next turn renders
+# the previous turn's opener again, but not always what followed it (a think block the
+# template drops from history), so the next prompt usually leaves the old one a few tokens
+# before its end; the same prompt again (another choice, a retry) reuses all of it but the
+# token whose logits it needs.
+CHECKPOINTS_BEFORE_END = (4, 1)
 
 
 class NativeCache(AttentionCache):
@@ -86,6 +100,126 @@ class NativeCache(AttentionCache):
     def close(self) -> None:
         """Release the memory now instead of at garbage collection."""
         self.native.close()
+
+
+class RecurrentCache(NativeCache):
+    """A cache with recurrent layers (and maybe attention layers): kind ``recurrent``.
+
+    ``pos`` is the number of positions written: the recurrent state stands for all of them,
+    so the next forward continues at ``pos``. A state cannot be cut back, so the cache keeps
+    checkpoints (the states' bytes at chosen positions: :meth:`plan` marks them before a
+    prompt is read, and the forward pass stops there to take them) and can continue from
+    ``pos`` or from any checkpoint; attention rows keep any prefix.
+    """
+
+    def __init__(self, model: NativeForwardModel, n_ctx: int, kv_type: str) -> None:
+        super().__init__(model, n_ctx, kv_type)
+        self.pos = 0
+        self.checkpoints: dict[int, npt.NDArray[np.uint8]] = {}  # position: states' bytes
+        self.planned: set[int] = set()  # positions to take a checkpoint at when reached
+        self._mark: tuple[int, npt.NDArray[np.uint8]] | None = None
+
+    @property
+    def kind(self) -> CacheKind:  # type: ignore[override]
+        return RECURRENT
+
+    def reusable_prefix(self, held: int, wanted: int) -> int:
+        """``held`` (its end) when ``wanted`` reaches it, else the latest checkpoint at or
+        before ``wanted``; 0 when there is none."""
+        if held != self.pos:
+            return 0
+        if wanted >= held:
+            return held
+        return max((p for p in self.checkpoints if p <= wanted), default=0)
+
+    def truncate(self, n: int) -> None:
+        """Go back to position ``n``: 0, the end, or a checkpoint (loaded)."""
+        if n == self.pos:
+            return
+        if n == 0:
+            self.pos = 0  # the forward pass at position 0 starts from a zero state
+            self.checkpoints.clear()
+            return
+        state = self.checkpoints.get(n)
+        if state is None:
+            raise ValueError(f"a recurrent cache cannot go back to position {n}: no checkpoint")
+        self.native.load_recurrent(state)
+        self.pos = n
+        self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= n}
+
+    def plan(self, end: int) -> None:
+        """Mark the checkpoints to take while a prompt of ``end`` positions is read from
+        ``pos``: 4 and 1 positions before its end, and every ``CHECKPOINT_EVERY`` positions
+        of a long one. (Its end needs none: the state is there when the reply starts.)"""
+        marks = set(range(CHECKPOINT_EVERY, end, CHECKPOINT_EVERY))
+        marks |= {end - k for k in CHECKPOINTS_BEFORE_END}
+        self.planned = {p for p in marks if self.pos < p <= end}
+
+    def stops(self, pos: int, n: int) -> list[int]:
+        """Where a forward of ``n`` tokens from ``pos`` must stop for a checkpoint."""
+        return sorted(p for p in self.planned if pos < p < pos + n)
+
+    def wrote(self, end: int) -> None:
+        """Positions up to ``end`` are written; take its checkpoint when one is planned."""
+        self.pos = end
+        if end in self.planned:
+            self.planned.discard(end)
+            self.checkpoints[end] = self.native.recurrent_state()
+            while len(self.checkpoints) > MAX_CHECKPOINTS:
+                del self.checkpoints[min(self.checkpoints)]
+
+    def mark(self) -> None:
+        """Remember the present state (:meth:`rewind` returns to it): before a verify pass
+        whose rows may not all be kept."""
+        self._mark = (self.pos, self.native.recurrent_state())
+
+    def rewind(self) -> int:
+        """Return to the state :meth:`mark` remembered; its position."""
+        assert self._mark is not None
+        self.pos, state = self._mark
+        self.native.load_recurrent(state)
+        self._mark = None
+        self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= self.pos}
+        return self.pos
+
+    def adopt_from(self, src: RecurrentCache, n: int) -> None:
+        """After the rows [0, n) were copied from ``src``: its state at ``n`` too."""
+        if n == src.pos:
+            src.native.copy_recurrent_to(self.native)
+        else:
+            self.native.load_recurrent(src.checkpoints[n])
+        self.pos = n
+        self.checkpoints = {p: s for p, s in src.checkpoints.items() if p <= n}
+
+    def snapshot(self, n: int) -> npt.NDArray[np.uint8]:
+        """The state of positions [0, n) (n == ``pos``) and the checkpoints before it, as
+        bytes: the rows and states, then each checkpoint's states, then their positions and
+        how many there are (int64)."""
+        if n != self.pos:
+            raise ValueError(f"a recurrent cache at {self.pos} has no state for {n}")
+        marks = sorted(p for p in self.checkpoints if p < n)
+        tail = np.array([*marks, len(marks)], np.int64).view(np.uint8)
+        return np.concatenate([self.native.state(n), *(self.checkpoints[p] for p in marks), tail])
+
+    def restore(self, n: int, state: npt.ArrayLike) -> None:
+        """Load what :meth:`snapshot` saved."""
+        raw = np.frombuffer(np.asarray(state, np.uint8).tobytes(), np.uint8)
+        size = self.native.recurrent_bytes
+        if raw.size < 8:
+            raise ValueError("a recurrent cache state too short")
+        k = int(raw[-8:].view(np.int64)[0])
+        body = raw.size - 8 * (k + 1) - k * size
+        if k < 0 or k > MAX_CHECKPOINTS or body < 0:
+            raise ValueError("a recurrent cache state of another layout")
+        marks = raw[body + k * size : raw.size - 8].view(np.int64).tolist()
+        if any(not 0 < p < n for p in marks):
+            raise ValueError("a recurrent cache state with checkpoints out of place")
+        self.native.load(n, raw[:body])
+        self.pos = n
+        self.checkpoints = {
+            p: raw[body + i * size : body + (i + 1) * size].copy() for i, p in enumerate(marks)
+        }
+        self.planned = set()
 
 
 class Routing:
@@ -359,6 +493,7 @@ class NativeForwardModel:
                 int(layers[i].head_dim_k),
                 int(layers[i].head_dim_v),
                 int(layers[i].ring),
+                int(layers[i].state),
             )
             for i in range(self.n_layer)
         ]
@@ -374,15 +509,25 @@ class NativeForwardModel:
         return kernels.cache_bytes_per_pos(self.cache_layers, self.n_layer, self.kv_type)
 
     def kv_bytes(self, n_ctx: int) -> int:
-        """Bytes of a cache of ``n_ctx`` positions once every row is written."""
-        return kernels.cache_bytes(self.cache_layers, n_ctx, self.kv_type, self.n_layer)
+        """Bytes of a cache of ``n_ctx`` positions once every row is written, with its
+        recurrent states and the most checkpoints of them it keeps."""
+        states = 4 * sum(layer[4] for layer in self.cache_layers)
+        return kernels.cache_bytes(
+            self.cache_layers, n_ctx, self.kv_type, self.n_layer
+        ) + MAX_CHECKPOINTS * states
+
+    @property
+    def recurrent(self) -> bool:
+        """True when some layer keeps a recurrent state (its caches are RecurrentCache)."""
+        return any(layer[4] for layer in self.cache_layers or ())
 
     def new_cache(self, n_ctx: int, kv_type: str | None = None) -> NativeCache:
         """An empty cache for ``n_ctx`` positions (pages commit lazily)."""
         self._require_open()
         if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
             raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
-        return NativeCache(self, n_ctx, kv_type or self.kv_type)
+        kind = RecurrentCache if self.recurrent else NativeCache
+        return kind(self, n_ctx, kv_type or self.kv_type)
 
     def forward(
         self, cache: Any, tokens: Sequence[int], pos: int, *, all_logits: bool = False
@@ -392,9 +537,22 @@ class NativeForwardModel:
         logits = np.empty(
             (ids.size, self.n_vocab) if all_logits else (self.n_vocab,), np.float32
         )
+        if pos == 0 and isinstance(cache, RecurrentCache):
+            cache.truncate(0)  # a new sequence: its checkpoints are of another
+        if not isinstance(cache, RecurrentCache):
+            with self._lock:
+                self._require_open()
+                kernels.forward(self._core, cache.native, ids, pos, logits, all_logits)
+            return logits
+        # the pieces between the checkpoints planned inside the call
+        bounds = [pos, *cache.stops(pos, ids.size), pos + ids.size]
         with self._lock:
             self._require_open()
-            kernels.forward(self._core, cache.native, ids, pos, logits, all_logits)
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                piece = logits[a - pos : b - pos] if all_logits else logits
+                kernels.forward(self._core, cache.native, ids[a - pos : b - pos], a, piece,
+                                all_logits)
+                cache.wrote(b)
         return logits
 
     def forward_batch(
@@ -414,12 +572,18 @@ class NativeForwardModel:
             raise ValueError("each sequence of a batch needs its own cache")
         ids = np.concatenate([ids for ids, _ in checked])
         pos = np.array([p for _, p in checked], np.int64)
+        for (cache, _, _), p in zip(rows, pos.tolist(), strict=True):
+            if p == 0 and isinstance(cache, RecurrentCache):
+                cache.truncate(0)
         logits = np.empty((total, self.n_vocab), np.float32)
         with self._lock:
             self._require_open()
             kernels.forward_batch(
                 self._core, [cache.native for cache, _, _ in rows], ids, ntoks, pos, logits
             )
+        for (cache, _, _), p, n in zip(rows, pos.tolist(), ntoks.tolist(), strict=True):
+            if isinstance(cache, RecurrentCache):
+                cache.wrote(p + n)
         return np.split(logits, np.cumsum(ntoks)[:-1])
 
     def forward_traced(
@@ -453,6 +617,8 @@ class NativeForwardModel:
         self._check_cache(dst)
         with self._lock:
             src.native.copy_to(dst.native, n)
+            if isinstance(dst, RecurrentCache):
+                dst.adopt_from(src, n)
 
     def close(self) -> None:
         """Free the native model (pool, scratch) and the weights' copies; caches stay valid
@@ -488,6 +654,10 @@ class NativeForwardModel:
             raise ValueError("forward needs at least one token")
         if pos < 0 or pos + n > cache.n_ctx:
             raise ValueError(f"positions {pos}..{pos + n - 1} do not fit a cache of {cache.n_ctx}")
+        if isinstance(cache, RecurrentCache) and pos not in (0, cache.pos):
+            raise ValueError(
+                f"a recurrent cache continues at position {cache.pos} (or 0), not {pos}"
+            )
         if int(ids.min()) < 0 or int(ids.max()) >= self.n_vocab:
             raise ValueError(f"token id outside [0, {self.n_vocab})")
         return np.ascontiguousarray(ids, dtype=np.int32), pos

@@ -675,8 +675,9 @@ CacheGeometry = tuple[int, int, int]  # (n_kv_head, head_dim_k, head_dim_v) of o
 
 
 def _layers(layers: Any) -> Any:
-    """An ``lm_cache_layer[]`` from cdata or (n_kv_head, head_dim_k, head_dim_v[, ring])
-    tuples (ring 0 or absent: a row per position)."""
+    """An ``lm_cache_layer[]`` from cdata or (n_kv_head, head_dim_k, head_dim_v[, ring[,
+    state]]) tuples (ring 0 or absent: a row per position; state: f32 values of a recurrent
+    state, 0 or absent: none)."""
     if isinstance(layers, ffi.CData):
         return layers
     out = ffi.new("lm_cache_layer[]", max(len(layers), 1))
@@ -687,6 +688,7 @@ def _layers(layers: Any) -> Any:
             values = [int(v) for v in layer]
             out[i].n_kv_head, out[i].head_dim_k, out[i].head_dim_v = values[:3]
             out[i].ring = values[3] if len(values) > 3 else 0
+            out[i].state = values[4] if len(values) > 4 else 0
     return out
 
 
@@ -750,6 +752,8 @@ class Cache:
         self.rings: list[int] = [
             int(arr[i].ring) if 0 < int(arr[i].ring) < n_ctx else 0 for i in range(n)
         ]
+        # f32 values of each layer's recurrent state (0: a layer of K/V rows only)
+        self.states: list[int] = [int(arr[i].state) for i in range(n)]
 
     @property
     def ptr(self) -> Any:
@@ -796,6 +800,42 @@ class Cache:
         """Restore positions [0, n) from :meth:`state`'s bytes."""
         data = _raw(state)
         check(lib.lm_cache_load(self.ptr, int(n), _ubuf(data), data.nbytes), "cache_load")
+
+    @property
+    def recurrent_bytes(self) -> int:
+        """Bytes of every layer's recurrent state (0 for a cache of K/V rows only)."""
+        size = int(lib.lm_cache_recurrent_bytes(self.ptr))
+        check(min(size, 0), "cache_recurrent_bytes")
+        return size
+
+    def recurrent_state(self) -> npt.NDArray[np.uint8]:
+        """Every layer's recurrent state as bytes: what it carries past the last position
+        written (:meth:`load_recurrent` takes it back)."""
+        buf = np.empty(self.recurrent_bytes, np.uint8)
+        check(lib.lm_cache_recurrent_save(self.ptr, _ubuf(buf), buf.nbytes), "cache_recurrent_save")
+        return buf
+
+    def load_recurrent(self, state: npt.ArrayLike) -> None:
+        """Set every layer's recurrent state from :meth:`recurrent_state`'s bytes."""
+        data = _raw(state)
+        check(lib.lm_cache_recurrent_load(self.ptr, _ubuf(data), data.nbytes), "cache_recurrent_load")
+
+    def copy_recurrent_to(self, dst: Cache) -> None:
+        """Every layer's recurrent state into ``dst`` (same geometry and type)."""
+        check(lib.lm_cache_recurrent_copy(self.ptr, dst.ptr), "cache_recurrent_copy")
+
+    def layer_state(self, layer: int) -> F32Array:
+        """A copy of one layer's recurrent state (f32)."""
+        size = self.states[self._geometry_index(layer)]
+        ptr = lib.lm_cache_layer_state(self.ptr, layer)
+        if size == 0 or ptr == ffi.NULL:
+            raise KernelValueError(f"layer {layer} has no recurrent state")
+        return np.frombuffer(ffi.buffer(ptr, 4 * size), np.float32).copy()
+
+    def _geometry_index(self, layer: int) -> int:
+        if not 0 <= layer < self.n_layer:
+            raise KernelValueError(f"layer {layer} outside [0, {self.n_layer})")
+        return layer
 
     def attention(
         self, layer: int, q: npt.ArrayLike, pos0: int, scale: float, window: int = 0,

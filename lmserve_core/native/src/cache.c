@@ -1,8 +1,10 @@
 /*
- * KV caches: per layer, rows of keys and rows of values in f16 or f32, in one lazily committed
- * mapping (an 8k-position cache costs only the rows a conversation reaches). A layer has a row
- * per position of the context, or a ring of fewer rows (a sliding-window layer: position p in
- * row p % rows, the last `rows` positions written are resident).
+ * Caches: per layer, rows of keys and rows of values in f16 or f32, and a recurrent state in
+ * f32, in one lazily committed mapping (an 8k-position cache costs only the rows a
+ * conversation reaches). A layer has a row per position of the context, or a ring of fewer
+ * rows (a sliding-window layer: position p in row p % rows, the last `rows` positions written
+ * are resident), or no rows at all (a recurrent layer: its state stands for every position
+ * written so far, and cannot be cut back to a shorter prefix).
  */
 #include <stdlib.h>
 
@@ -22,6 +24,8 @@ struct lm_cache {
     int64_t *rows; /* (n_layer) rows of the layer: n_ctx, or its ring when smaller */
     size_t *k_off; /* (n_layer) byte offset of the layer's K rows */
     size_t *v_off; /* (n_layer) byte offset of the layer's V rows */
+    size_t *s_off; /* (n_layer) byte offset of the layer's recurrent state */
+    int64_t n_state; /* f32 values of every layer's state */
     uint8_t *mem;
     size_t bytes;
 };
@@ -60,12 +64,22 @@ static int layers_ok(int n_layer, const lm_cache_layer *layers) {
     if (n_layer <= 0 || layers == NULL) return 0;
     for (int l = 0; l < n_layer; l++) {
         const lm_cache_layer *g = &layers[l];
-        if (g->n_kv_head <= 0 || g->head_dim_k <= 0 || g->head_dim_v <= 0 ||
-            g->n_kv_head > (1 << 16) || g->head_dim_k > (1 << 16) || g->head_dim_v > (1 << 16) ||
-            g->ring < 0 || g->ring > ((int64_t)1 << 40))
+        const int rows = g->n_kv_head != 0 || g->head_dim_k != 0 || g->head_dim_v != 0;
+        if (g->state < 0 || g->state > ((int64_t)1 << 36) || (!rows && g->state == 0) ||
+            (!rows && g->ring != 0))
+            return 0;
+        if (rows && (g->n_kv_head <= 0 || g->head_dim_k <= 0 || g->head_dim_v <= 0 ||
+                     g->n_kv_head > (1 << 16) || g->head_dim_k > (1 << 16) ||
+                     g->head_dim_v > (1 << 16) || g->ring < 0 || g->ring > ((int64_t)1 << 40)))
             return 0;
     }
     return 1;
+}
+
+static int64_t states_total(int n_layer, const lm_cache_layer *layers) {
+    int64_t total = 0;
+    for (int l = 0; l < n_layer; l++) total += layers[l].state;
+    return total;
 }
 
 static int64_t rows_min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -88,11 +102,11 @@ int64_t lm_cache_bytes(int n_layer, const lm_cache_layer *layers, int64_t n_ctx,
     const size_t es = type_size(type);
     if (es == 0 || !layers_ok(n_layer, layers) || n_ctx <= 0 || n_ctx > ((int64_t)1 << 40))
         return LM_EINVAL;
-    int64_t total = 0;
+    int64_t total = states_total(n_layer, layers) * (int64_t)sizeof(float);
     for (int l = 0; l < n_layer; l++) {
         const int64_t row = (kdim(&layers[l]) + vdim(&layers[l])) * (int64_t)es;
         const int64_t rows = layer_rows(&layers[l], n_ctx);
-        if (rows > (((int64_t)1 << 40) - total) / row) return LM_EINVAL;
+        if (row > 0 && rows > (((int64_t)1 << 40) - total) / row) return LM_EINVAL;
         total += rows * row;
     }
     return total;
@@ -114,12 +128,21 @@ int lm_cache_new(int n_layer, const lm_cache_layer *layers, int64_t n_ctx, int t
     c->layers = malloc(sizeof *c->layers * (size_t)n_layer);
     c->k_off = malloc(sizeof *c->k_off * (size_t)n_layer);
     c->v_off = malloc(sizeof *c->v_off * (size_t)n_layer);
+    c->s_off = malloc(sizeof *c->s_off * (size_t)n_layer);
     c->rows = malloc(sizeof *c->rows * (size_t)n_layer);
-    if (c->layers == NULL || c->k_off == NULL || c->v_off == NULL || c->rows == NULL) {
+    if (c->layers == NULL || c->k_off == NULL || c->v_off == NULL || c->s_off == NULL ||
+        c->rows == NULL) {
         lm_cache_free(c);
         return LM_ENOMEM;
     }
+    /* the states first (all of them together: a snapshot is one copy), then the rows */
     size_t off = 0;
+    for (int l = 0; l < n_layer; l++) {
+        c->s_off[l] = off;
+        off += (size_t)layers[l].state * sizeof(float);
+    }
+    c->n_state = states_total(n_layer, layers);
+    off = (off + 63) & ~(size_t)63;
     for (int l = 0; l < n_layer; l++) {
         c->layers[l] = layers[l];
         c->rows[l] = layer_rows(&layers[l], n_ctx);
@@ -144,6 +167,7 @@ void lm_cache_free(lm_cache *cache) {
     free(cache->layers);
     free(cache->k_off);
     free(cache->v_off);
+    free(cache->s_off);
     free(cache->rows);
     free(cache);
 }
@@ -158,7 +182,7 @@ int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *l
     for (int l = 0; l < n_layer; l++) {
         const lm_cache_layer *a = &cache->layers[l], *b = &layers[l];
         if (a->n_kv_head != b->n_kv_head || a->head_dim_k != b->head_dim_k ||
-            a->head_dim_v != b->head_dim_v || a->ring != b->ring)
+            a->head_dim_v != b->head_dim_v || a->ring != b->ring || a->state != b->state)
             return 0;
     }
     return 1;
@@ -175,6 +199,8 @@ int lm_cache_copy(const lm_cache *src, lm_cache *dst, int64_t n) {
         if (src->rows[l] != dst->rows[l] && (src->rows[l] < n || dst->rows[l] < n))
             return LM_EMISMATCH; /* rings of different sizes place positions apart */
     if (src == dst || n == 0) return LM_OK;
+    /* the states stand for src's last position written: the caller copies n == that */
+    memcpy(dst->mem, src->mem, (size_t)src->n_state * sizeof(float));
     for (int l = 0; l < src->n_layer; l++) {
         /* a ring's rows in place: dst then holds what src held at the positions it keeps */
         const int64_t rows = rows_min(n, src->rows[l]);
@@ -261,20 +287,26 @@ int lm_cache_read(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok, 
 
 int64_t lm_cache_state_bytes(const lm_cache *cache, int64_t n) {
     if (cache == NULL || n < 0 || n > cache->n_ctx) return LM_EINVAL;
-    int64_t total = 0;
+    int64_t total = cache->n_state * (int64_t)sizeof(float);
     for (int l = 0; l < cache->n_layer; l++)
         total += rows_min(n, cache->rows[l]) * (kdim(&cache->layers[l]) + vdim(&cache->layers[l])) *
                  (int64_t)cache->esize;
     return total;
 }
 
-/* Visit each layer's K then V rows [0, min(n, rows)) in the state's order: a ring's rows as
- * they lie, so a state loads into a cache of the same geometry. */
+/* Visit the recurrent states, then each layer's K then V rows [0, min(n, rows)) in the
+ * state's order: a ring's rows as they lie, so a state loads into a cache of the same
+ * geometry. */
 static int state_copy(const lm_cache *cache, int64_t n, uint8_t *buf, int64_t buf_bytes,
                       int save) {
     const int64_t need = lm_cache_state_bytes(cache, n);
     if (need < 0 || buf == NULL || buf_bytes < need) return LM_EINVAL;
-    size_t at = 0;
+    size_t at = (size_t)cache->n_state * sizeof(float);
+    if (save) {
+        memcpy(buf, cache->mem, at);
+    } else {
+        memcpy(cache->mem, buf, at);
+    }
     for (int l = 0; l < cache->n_layer; l++) {
         const int64_t rows = rows_min(n, cache->rows[l]);
         const size_t kb = (size_t)rows * (size_t)kdim(&cache->layers[l]) * cache->esize;
@@ -300,6 +332,46 @@ int lm_cache_load(lm_cache *cache, int64_t n, const void *buf, int64_t buf_bytes
     return state_copy(cache, n, (uint8_t *)(uintptr_t)buf, buf_bytes, 0);
 }
 
+/* ============================================================================ recurrent state */
+
+float *lm_cache_layer_state(lm_cache *cache, int layer) {
+    if (cache == NULL || layer < 0 || layer >= cache->n_layer || cache->layers[layer].state == 0)
+        return NULL;
+    return (float *)(void *)(cache->mem + cache->s_off[layer]);
+}
+
+int64_t lm_cache_recurrent_bytes(const lm_cache *cache) {
+    return cache == NULL ? LM_EINVAL : cache->n_state * (int64_t)sizeof(float);
+}
+
+int lm_cache_recurrent_save(const lm_cache *cache, void *buf, int64_t buf_bytes) {
+    const int64_t need = lm_cache_recurrent_bytes(cache);
+    if (need < 0 || (need > 0 && buf == NULL) || buf_bytes < need) return LM_EINVAL;
+    memcpy(buf, cache->mem, (size_t)need);
+    return LM_OK;
+}
+
+int lm_cache_recurrent_load(lm_cache *cache, const void *buf, int64_t buf_bytes) {
+    const int64_t need = lm_cache_recurrent_bytes(cache);
+    if (need < 0 || (need > 0 && buf == NULL) || buf_bytes != need) return LM_EINVAL;
+    memcpy(cache->mem, buf, (size_t)need);
+    return LM_OK;
+}
+
+int lm_cache_recurrent_reset(lm_cache *cache) {
+    if (cache == NULL) return LM_EINVAL;
+    memset(cache->mem, 0, (size_t)cache->n_state * sizeof(float));
+    return LM_OK;
+}
+
+int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst) {
+    if (src == NULL || dst == NULL) return LM_EINVAL;
+    if (src->type != dst->type || !lm_cache_matches(dst, src->n_layer, src->layers))
+        return LM_EMISMATCH;
+    if (src != dst) memcpy(dst->mem, src->mem, (size_t)src->n_state * sizeof(float));
+    return LM_OK;
+}
+
 /* ============================================================================ attention */
 
 int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
@@ -307,7 +379,7 @@ int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, in
                         int64_t window, float softcap) {
     if (!rows_ok(cache, layer, pos0, ntok)) return LM_EINVAL;
     const lm_cache_layer *g = &cache->layers[layer];
-    if (g->head_dim_k != g->head_dim_v) return LM_EINVAL;
+    if (g->n_kv_head <= 0 || g->head_dim_k != g->head_dim_v) return LM_EINVAL;
     const int64_t rows = cache->rows[layer];
     const int64_t ring = rows < cache->n_ctx ? rows : 0;
     /* a ring must still hold every key the chunk's first query sees after the chunk's own

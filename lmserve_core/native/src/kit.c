@@ -283,9 +283,10 @@ void lm_base_free(lm_base *b) {
     lm_pool_free(b->pool);
     lm_aligned_free(b->x);
     lm_aligned_free(b->xb);
+    lm_aligned_free(b->xs);
     lm_aligned_free(b->tmp);
     b->pool = NULL;
-    b->x = b->xb = NULL;
+    b->x = b->xb = b->xs = NULL;
     b->tmp = NULL;
     b->tmp_bytes = 0;
 }
@@ -400,18 +401,29 @@ int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, i
     if (ntok == 0) return LM_OK;
     const int64_t D = b->n_embd, QD = (int64_t)a->n_head * a->head_dim;
     const int64_t KVD = (int64_t)a->n_kv_head * a->head_dim;
-    float *q, *k, *v, *att;
-    float **bufs[] = {&q, &k, &v, &att};
-    const int64_t lens[] = {ntok * QD, ntok * KVD, ntok * KVD, ntok * QD};
-    LM_TRY(carve(b, 4, bufs, lens));
+    float *q, *k, *v, *att, *qg;
+    float **bufs[] = {&q, &k, &v, &att, &qg};
+    const int64_t lens[] = {ntok * QD, ntok * KVD, ntok * KVD, ntok * QD, a->gated ? 2 * ntok * QD : 0};
+    LM_TRY(carve(b, 5, bufs, lens));
     lm_pool *pool = b->pool;
 
     const lm_mm qkv[3] = {
-        {a->wq, QD, D, x, q},
+        {a->wq, a->gated ? 2 * QD : QD, D, x, a->gated ? qg : q},
         {a->wk, KVD, D, x, k},
         {a->wv, KVD, D, x, v},
     };
     LM_TRY(lm_matmuls(pool, qkv, 3, ntok));
+    if (a->gated) {
+        /* each head's query rows then its gate rows: queries into q, the gates packed at the
+         * front of qg (each moves to a lower or equal address) */
+        const size_t hb = sizeof(float) * (size_t)a->head_dim;
+        for (int64_t t = 0; t < ntok; t++)
+            for (int h = 0; h < a->n_head; h++) {
+                const float *src = qg + t * 2 * QD + (int64_t)2 * h * a->head_dim;
+                memcpy(q + t * QD + (int64_t)h * a->head_dim, src, hb);
+                memmove(qg + t * QD + (int64_t)h * a->head_dim, src + a->head_dim, hb);
+            }
+    }
     add_bias(q, a->bq, ntok, QD);
     add_bias(k, a->bk, ntok, KVD);
     add_bias(v, a->bv, ntok, KVD);
@@ -422,6 +434,8 @@ int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, i
         LM_TRY(lm_rmsnorm_rows(pool, k, k, a->k_norm, ntok * a->n_kv_head, a->head_dim,
                                         a->norm_eps));
     LM_TRY(lm_attend(b, a, layer, layer, q, k, v, 0, ntok, att));
+    if (a->gated)
+        for (int64_t i = 0; i < ntok * QD; i++) att[i] *= 1.0f / (1.0f + expf(-qg[i]));
     return lm_matmul(pool, a->wo.type, a->wo.data, D, QD, att, ntok, y);
 }
 
@@ -660,13 +674,33 @@ int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t ntok) {
     const int64_t D = b->n_embd, n = ntok * D;
     const float eps = blk->norm_eps;
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->attn_norm, ntok, D, eps));
-    LM_TRY(lm_self_attention(b, &blk->attn, layer, b->xb, ntok, b->xb));
+    if (blk->mixer == LM_MIXER_DELTANET) {
+        LM_TRY(lm_deltanet_mixer(b, &blk->delta, layer, b->xb, ntok, b->xb));
+    } else {
+        LM_TRY(lm_self_attention(b, &blk->attn, layer, b->xb, ntok, b->xb));
+    }
     if (blk->post_attn_norm != NULL)
         LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->xb, blk->post_attn_norm, ntok, D, eps));
     LM_TRY(lm_add_rows(b->x, b->xb, n));
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->ffn_norm, ntok, D, eps));
     if (blk->moe.n_expert > 0) {
+        const int shared = blk->shexp.n_ff > 0;
+        float *xs = b->xs, *gs = b->xs + b->n_batch * D;
+        if (shared) {
+            if (xs == NULL) return LM_EINVAL;
+            if (blk->shexp_gate.data != NULL)
+                LM_TRY(lm_matmul(b->pool, blk->shexp_gate.type, blk->shexp_gate.data, 1, D,
+                                 b->xb, ntok, gs));
+            LM_TRY(lm_glu_ffn(b, &blk->shexp, b->xb, ntok, xs));
+        }
         LM_TRY(lm_moe_ffn(b, &blk->moe, layer, b->xb, ntok, b->xb));
+        if (shared) {
+            for (int64_t t = 0; t < ntok; t++) {
+                const float w =
+                    blk->shexp_gate.data != NULL ? 1.0f / (1.0f + expf(-gs[t])) : 1.0f;
+                lm_kernels_active()->axpy_f32(b->xb + t * D, w, xs + t * D, D);
+            }
+        }
     } else {
         LM_TRY(lm_glu_ffn(b, &blk->ffn, b->xb, ntok, b->xb));
     }
@@ -698,6 +732,7 @@ static int attn_ok(const lm_attn *a, int64_t D) {
         return LM_EINVAL;
     if (a->rope != NULL && (a->rope->n_rot > a->head_dim || a->rope->n_rot % 2 != 0))
         return LM_EINVAL;
+    if (a->gated != 0 && (a->gated != 1 || a->bq != NULL)) return LM_EINVAL;
     if (!matrix_ok(a->wq, D) || !matrix_ok(a->wk, D) || !matrix_ok(a->wv, D) ||
         !matrix_ok(a->wo, qd))
         return LM_ETYPE;
@@ -707,7 +742,13 @@ static int attn_ok(const lm_attn *a, int64_t D) {
 static int ffn_ok(const lm_block *blk, int64_t D) {
     if (blk->moe.n_expert > 0) {
         const lm_moe *m = &blk->moe;
-        if (m->n_used <= 0 || m->n_used > m->n_expert || m->n_ff <= 0) return LM_EINVAL;
+        if (m->n_used <= 0 || m->n_used > m->n_expert || m->n_ff <= 0 || blk->shexp.n_ff < 0)
+            return LM_EINVAL;
+        const lm_ffn *s = &blk->shexp;
+        if (s->n_ff > 0 && (!matrix_ok(s->gate, D) || !matrix_ok(s->up, D) ||
+                            !matrix_ok(s->down, s->n_ff) ||
+                            (blk->shexp_gate.data != NULL && !matrix_ok(blk->shexp_gate, D))))
+            return LM_ETYPE;
         const int fused = m->gate_up_exps.data != NULL;
         if (!matrix_ok(m->router, D) || !matrix_ok(m->down_exps, m->n_ff) ||
             (fused && !matrix_ok(m->gate_up_exps, D)) ||
@@ -730,9 +771,14 @@ int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
     if (!matrix_ok(d->token_embd, D) || !matrix_ok(d->output, D)) return LM_ETYPE;
     for (int l = 0; l < b->n_layer; l++) {
         const lm_block *blk = &d->blocks[l];
-        if (blk->attn_norm == NULL || blk->ffn_norm == NULL || !(blk->norm_eps >= 0.0f))
+        if (blk->attn_norm == NULL || blk->ffn_norm == NULL || !(blk->norm_eps >= 0.0f) ||
+            (blk->mixer != LM_MIXER_ATTENTION && blk->mixer != LM_MIXER_DELTANET))
             return LM_EINVAL;
-        LM_TRY(attn_ok(&blk->attn, D));
+        if (blk->mixer == LM_MIXER_DELTANET) {
+            LM_TRY(lm_deltanet_check(b, &blk->delta, l));
+        } else {
+            LM_TRY(attn_ok(&blk->attn, D));
+        }
         LM_TRY(ffn_ok(blk, D));
     }
     return LM_OK;
@@ -775,16 +821,27 @@ int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64
                       int64_t n_embd, lm_base **out) {
     if (m == NULL) return LM_EINVAL;
     int status = out != NULL ? LM_OK : LM_EINVAL;
+    int shared = 0;
     for (int l = 0; status == LM_OK && l < m->n_layer; l++) {
-        const lm_attn *a = &m->blocks[l].attn;
+        const lm_block *blk = &m->blocks[l];
+        const lm_attn *a = &blk->attn;
+        shared |= blk->moe.n_expert > 0 && blk->shexp.n_ff > 0;
+        if (blk->mixer == LM_MIXER_DELTANET) {
+            m->geometry[l] = lm_deltanet_geometry(&blk->delta);
+            continue;
+        }
         /* a sliding window keeps its window and one chunk's rows (written before attention) */
         const int64_t ring = a->window > 0 ? a->window + n_batch : 0;
-        m->geometry[l] = (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim, ring};
+        m->geometry[l] = (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim, ring, 0};
     }
     m->dec.blocks = m->blocks;
     if (status == LM_OK) {
         status = lm_base_init(&m->base, n_threads, n_batch, n_vocab, n_embd, m->n_layer,
                               m->geometry, decoder_model_chunk, decoder_model_free);
+    }
+    if (status == LM_OK && shared) {
+        m->base.xs = lm_aligned_alloc(sizeof(float) * (size_t)(n_batch * (n_embd + 1)));
+        if (m->base.xs == NULL) status = LM_ENOMEM;
     }
     if (status == LM_OK) status = lm_decoder_check(&m->base, &m->dec);
     if (status != LM_OK) {
@@ -821,6 +878,7 @@ int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
         return LM_EINVAL;
     if (!lm_cache_matches(cache, b->n_layer, b->cache_layers)) return LM_EMISMATCH;
     LM_TRY(check_tokens(b, tokens, ntok));
+    if (pos == 0) LM_TRY(lm_cache_recurrent_reset(cache)); /* the state before position 0 */
     const int64_t B = b->n_batch, V = b->n_vocab;
     for (int64_t done = 0; done < ntok; done += B) {
         const int64_t n = ntok - done < B ? ntok - done : B;
@@ -860,6 +918,8 @@ int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int3
     }
     if (status == LM_OK && total > b->n_batch) status = LM_EINVAL;
     if (status == LM_OK) status = check_tokens(b, tokens, total);
+    for (int i = 0; status == LM_OK && i < n_seqs; i++)
+        if (pos[i] == 0) status = lm_cache_recurrent_reset(caches[i]);
     if (status == LM_OK) {
         b->trace_row = 0;
         status = run_chunk(b, table, n_seqs, tokens, total, logits, 0);

@@ -454,6 +454,13 @@ void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t
 /* 1 when the cache was made for this geometry. */
 int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *layers);
 
+/* ------------------------------------------------------------------ DeltaNet internals */
+/* The cache geometry of a DeltaNet layer: no rows, its state. */
+lm_cache_layer lm_deltanet_geometry(const lm_deltanet *d);
+/* LM_OK when d's sizes, pointers and matrices fit the base (and, for a layer of the base, its
+ * cache geometry). */
+int lm_deltanet_check(const lm_base *b, const lm_deltanet *d, int layer);
+
 /* ------------------------------------------------------------------ attention internals */
 /* lm_attention over K and V rows of kv_type (LM_F32 / LM_F16), row stride kv_stride elements;
  * ring > 0: the rows are a ring, position p in row p % ring. */

@@ -182,7 +182,7 @@ def test_config_reads_the_layout(kind: str, synthetic: Any) -> None:
             assert src < first and sliding[src] == sliding[il]
             assert not any(sliding[j] == sliding[il] for j in range(src + 1, first))
     # a shared layer keeps no cache rows of its own worth speaking of
-    for il, (kv, k, v, ring) in enumerate(ref.ours.cache_layers):
+    for il, (kv, k, v, ring, _state) in enumerate(ref.ours.cache_layers):
         if c.has_kv(il):
             assert (kv, k, v) == (c.n_kv_head[il], c.layer_head_dim(il), c.layer_head_dim(il))
         else:
@@ -290,7 +290,7 @@ def test_chunked_prefill_across_the_ring(kind: str, synthetic: Any) -> None:
     ref = reference(synthetic, kind)
     n_batch = 5  # the local layers' rings hold 13 rows: they wrap many times
     small = Gemma4Model.load(ref.gguf, n_threads=2, n_batch=n_batch, kv_type="f32")
-    assert {r for *_, r in small.cache_layers} == {0, WINDOW + n_batch}
+    assert {layer[3] for layer in small.cache_layers} == {0, WINDOW + n_batch}
     ids = ref.ids(PROMPTS[0] + PROMPTS[1])
     assert len(ids) > 4 * (WINDOW + n_batch)
     want = ref.theirs(ids)

@@ -13,7 +13,7 @@
 
 #include "lmserve/types.h"
 
-#define LM_KIT_ABI 3
+#define LM_KIT_ABI 4
 
 #define LM_KIT_INT(X)                                                                              \
     X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \
@@ -89,7 +89,11 @@
       (lm_base * b, const lm_attn *a, int layer, int src, float *q, float *k, const float *v,    \
        int64_t r0, int64_t n, float *att),                                                         \
       (b, a, layer, src, q, k, v, r0, n, att))                                                    \
-    X(lm_matrix, lm_matrix_rows, (lm_matrix m, int64_t row0, int64_t cols), (m, row0, cols))
+    X(lm_matrix, lm_matrix_rows, (lm_matrix m, int64_t row0, int64_t cols), (m, row0, cols))  \
+    X(float *, lm_cache_layer_state, (lm_cache * c, int layer), (c, layer))                      \
+    X(int, lm_deltanet_mixer,                                                                      \
+      (lm_base * b, const lm_deltanet *d, int layer, const float *x, int64_t ntok, float *y),    \
+      (b, d, layer, x, ntok, y))
 
 #define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
 

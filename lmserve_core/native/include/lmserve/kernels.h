@@ -160,6 +160,16 @@ int lm_cache_read(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok, 
 int64_t lm_cache_state_bytes(const lm_cache *cache, int64_t n);
 int lm_cache_save(const lm_cache *cache, int64_t n, void *buf, int64_t buf_bytes);
 int lm_cache_load(lm_cache *cache, int64_t n, const void *buf, int64_t buf_bytes);
+/* A recurrent layer's state (lm_cache_layer.state f32 values), NULL for a layer without. */
+float *lm_cache_layer_state(lm_cache *cache, int layer);
+/* Every layer's recurrent state at once (a snapshot of what cannot be cut back): its bytes,
+ * saved into / loaded from buf (exactly that many bytes), zeroed (the state before position
+ * 0), copied between caches of the same geometry. */
+int64_t lm_cache_recurrent_bytes(const lm_cache *cache);
+int lm_cache_recurrent_save(const lm_cache *cache, void *buf, int64_t buf_bytes);
+int lm_cache_recurrent_load(lm_cache *cache, const void *buf, int64_t buf_bytes);
+int lm_cache_recurrent_reset(lm_cache *cache);
+int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst);
 /* lm_attention over one layer of a cache (rows [0, pos0 + ntok) already written). */
 int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
                         float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
@@ -192,6 +202,11 @@ int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float 
 /* y (ntok, n_embd) = self-attention of normed x (ntok, n_embd), the chunk's rows [0, ntok),
  * writing their cache rows. */
 int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t ntok,
+                      float *y);
+/* y (ntok, n_embd) = the gated DeltaNet mixer of normed x (ntok, n_embd), the chunk's rows
+ * [0, ntok), each sequence's rows continuing from (and updating) its state in cache layer
+ * `layer`. */
+int lm_deltanet_mixer(lm_base *b, const lm_deltanet *d, int layer, const float *x, int64_t ntok,
                       float *y);
 /* y (ntok, n_embd) = gated feed-forward of x. */
 int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float *y);

@@ -19,6 +19,7 @@
 #include "../../src/pool.c"
 #include "../../src/cache.c"
 #include "../../src/kit.c"
+#include "../../src/deltanet.c"
 #include "../../src/api.c"
 
 #endif /* LMSERVE_KERNELS_IMPL_H */

@@ -117,14 +117,17 @@ typedef struct lm_dims {
     float rms_eps;  /* of the block norms */
 } lm_dims;
 
-/* One layer's KV cache geometry. */
+/* One layer's cache geometry: K/V rows (attention), a recurrent state, or both. */
 typedef struct lm_cache_layer {
-    int n_kv_head;
+    int n_kv_head;  /* 0 with both head dims 0: no K/V rows (a recurrent layer) */
     int head_dim_k;
     int head_dim_v;
     int64_t ring;   /* 0: a row for every position of the context; > 0: a ring of `ring` rows,
                        position p in row p % ring (a sliding-window layer keeps its window and
                        one chunk: window + n_batch) */
+    int64_t state;  /* f32 values of the layer's recurrent state (0: none): what the layer
+                       carries from the last position written to the next, as laid out by
+                       the layer's mixer; zero before position 0 */
 } lm_cache_layer;
 
 /* Self-attention of one layer: projections, optional per-head RMS norm of q and k, RoPE,
@@ -147,7 +150,46 @@ typedef struct lm_attn {
     int64_t window;         /* sliding window in positions; 0: the whole context */
     float softcap;          /* cap * tanh(score / cap) before the softmax; 0: none */
     const lm_rotary *rope;    /* NULL: no rotary embedding */
+    int gated;              /* 1: wq is (n_head * 2 * head_dim, n_embd), each head's query rows
+                               then its gate rows; the attention output is multiplied by
+                               sigmoid(gate) before wo */
 } lm_attn;
+
+/* How a gated DeltaNet's value heads find their key head (n_v_head a multiple of n_k_head,
+ * r = n_v_head / n_k_head): tiled (value head j reads key head j % n_k_head) or grouped
+ * (j / r). */
+enum lm_head_map { LM_HEADS_TILED = 0, LM_HEADS_GROUPED = 1 };
+
+/* A gated DeltaNet mixer (linear attention with a recurrent state):
+ *   qkv = silu(causal_conv1d(wqkv . x))        channels: q (n_k_head * head_k), k (same),
+ *                                               v (n_v_head * head_v); kernel `conv_kernel`
+ *   q, k = l2norm per head (eps norm_eps), q *= 1 / sqrt(head_k)
+ *   g = a * softplus(alpha + dt_bias), beta = sigmoid(beta)          per value head
+ *   per value head and token: S *= exp(g); S += k (x) (beta * (v - k . S)); o = q . S
+ *   y = wo . (rmsnorm_per_head(o) * norm * silu(wz . x))
+ * S is (head_k, head_v) per value head. alpha and beta come from wa / wb, or from one fused
+ * wba whose rows hold, per key head, its r beta rows then its r alpha rows (qwen3next). The
+ * state a sequence keeps (lm_cache_layer.state): the last conv_kernel - 1 inputs of the
+ * convolution (conv_kernel - 1, conv_dim) then S of every value head. */
+typedef struct lm_deltanet {
+    lm_matrix wqkv;         /* (conv_dim, n_embd), conv_dim = 2 n_k_head head_k + n_v_head head_v */
+    lm_matrix wz;           /* (n_v_head * head_v, n_embd) gate of the output norm */
+    lm_matrix wa;           /* (n_v_head, n_embd) alpha; unused when wba is set */
+    lm_matrix wb;           /* (n_v_head, n_embd) beta; unused when wba is set */
+    lm_matrix wba;          /* (2 n_v_head, n_embd) fused beta / alpha; data NULL: wa and wb */
+    lm_matrix wo;           /* (n_embd, n_v_head * head_v) */
+    const float *conv;      /* (conv_dim, conv_kernel) depthwise kernel, no bias */
+    const float *a;         /* (n_v_head) the decay rate: -exp(A_log) */
+    const float *dt_bias;   /* (n_v_head) */
+    const float *norm;      /* (head_v) weight of the gated output norm */
+    int n_k_head;
+    int n_v_head;
+    int head_k;
+    int head_v;
+    int conv_kernel;        /* >= 1 */
+    int head_map;           /* enum lm_head_map */
+    float norm_eps;         /* of the output norm and of the l2 norms */
+} lm_deltanet;
 
 /* A gated feed-forward: down . (act(gate . x) * (up . x)). */
 typedef struct lm_ffn {
@@ -176,17 +218,26 @@ typedef struct lm_moe {
     int act;                /* enum lm_act */
 } lm_moe;
 
-/* A pre-norm decoder block:  x += post_attn_norm(attn(rmsnorm(x) * attn_norm))
+/* What mixes a block's tokens: self-attention over a KV cache, or a recurrent mixer. */
+enum lm_mixer { LM_MIXER_ATTENTION = 0, LM_MIXER_DELTANET = 1 };
+
+/* A pre-norm decoder block:  x += post_attn_norm(mixer(rmsnorm(x) * attn_norm))
  *                            x += post_ffn_norm(ffn(rmsnorm(x) * ffn_norm))   (or the experts)
  * The post norms (Gemma's "sandwich") are skipped when NULL. */
 typedef struct lm_block {
     float norm_eps;           /* of every norm of the block */
     const float *attn_norm;   /* (n_embd) */
-    lm_attn attn;
+    int mixer;                /* enum lm_mixer */
+    lm_attn attn;             /* LM_MIXER_ATTENTION */
+    lm_deltanet delta;        /* LM_MIXER_DELTANET */
     const float *post_attn_norm; /* (n_embd) RMS norm of the attention output, or NULL */
     const float *ffn_norm;    /* (n_embd) */
     lm_ffn ffn;               /* used when moe.n_expert == 0 */
     lm_moe moe;               /* n_expert > 0: a mixture of experts instead of ffn */
+    lm_ffn shexp;             /* with experts, n_ff > 0: a shared expert every token goes
+                                 through, added to the routed experts' sum */
+    lm_matrix shexp_gate;     /* (1, n_embd): the shared expert's output times
+                                 sigmoid(shexp_gate . x); data NULL: ungated */
     const float *post_ffn_norm;  /* (n_embd) RMS norm of the feed-forward output, or NULL */
 } lm_block;
 
@@ -237,6 +288,8 @@ typedef struct lm_base {
                                            lm_base_free */
     float *x;               /* (n_batch, n_embd) residual stream */
     float *xb;              /* (n_batch, n_embd) normed input / block output */
+    float *xs;              /* (n_batch, n_embd + 1) a shared expert's output and gate; NULL
+                               unless a block has one (lm_decoder_finish allocates it) */
     void *tmp;              /* scratch of the kit's layer helpers, grown on demand */
     size_t tmp_bytes;
     const lm_seq *seqs;     /* (n_seqs) whose rows the running chunk holds, in order */

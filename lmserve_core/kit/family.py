@@ -1,0 +1,117 @@
+"""Family: what a model family's plugin module registers, in one declaration.
+
+A family plugin's ``plugin.py`` declares its backends (names, the GGUF architectures each
+serves), which model class serves an architecture and which conventions a file gets, and
+hands the hooks :meth:`Family.register` and :meth:`Family.create_backend`::
+
+    FAMILY = Family(
+        "qwen3",
+        model=lambda arch: importlib.import_module("lmserve_qwen3.model").Qwen3Model,
+        conventions=CONVENTIONS,
+        backends=[BackendSpec("qwen3", ("qwen3",), "Qwen3 GGUFs (dense)")],
+    )
+    create_backend = FAMILY.create_backend
+
+    @hookimpl
+    def register_backends(register):
+        FAMILY.register(register)
+
+The model class is looked up only when a backend is created, so listing the installed
+plugins never loads a family's native module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmserve_core.backend import ServerSettings
+from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.model import FamilyConventions
+
+__all__ = ["BackendSpec", "Family"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One backend a family registers: ``--backend name``, and the architectures whose
+    files pick it when ``--backend`` is not given."""
+
+    name: str
+    architectures: tuple[str, ...]
+    description: str
+    default_model: Callable[[], str | None] | None = None
+
+
+class Family:
+    """A model family: its backends, the model class of each architecture and the
+    conventions of a file."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: Callable[[str], Any],
+        conventions: FamilyConventions | Callable[[GGUFFile], FamilyConventions],
+        backends: Sequence[BackendSpec],
+    ) -> None:
+        if not backends:
+            raise ValueError("a family registers at least one backend")
+        self.name = name
+        self._model = model
+        self._conventions = conventions
+        self.backends = tuple(backends)
+        self.architectures = tuple(a for spec in self.backends for a in spec.architectures)
+
+    def conventions(self, gguf: GGUFFile) -> FamilyConventions:
+        """The conventions a file gets (its chat template may choose them)."""
+        c = self._conventions
+        return c if isinstance(c, FamilyConventions) else c(gguf)
+
+    def create_backend(self, model_path: str | None, settings: ServerSettings) -> Any:
+        """Open the GGUF, build the forward pass of its architecture and wrap it in the
+        generic chat path."""
+        from lmserve_core.gguf_chat import GGUFChatBackend
+
+        path = model_path
+        if path is None:
+            defaults = [s.default_model for s in self.backends if s.default_model is not None]
+            path = next((p for p in (d() for d in defaults) if p), None)
+        if path is None:
+            raise FileNotFoundError(
+                f"the {self.name} backend needs a model file (lmserve --backend "
+                f"{self.backends[0].name} model.gguf)"
+            )
+        gguf = GGUFFile.open(path)
+        try:
+            arch = gguf.architecture
+            if arch not in self.architectures:
+                raise GGUFError(
+                    f"architecture {arch!r} is not served by the {self.name} family "
+                    f"({', '.join(self.architectures)})"
+                )
+            model = self._model(arch).load(
+                gguf, n_threads=settings.threads, kv_type=settings.kv_type
+            )
+            conventions = self.conventions(gguf)
+        except BaseException:
+            gguf.close()
+            raise
+        return GGUFChatBackend(
+            name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings
+        )
+
+    def register(self, register: Any) -> None:
+        """Register every backend of the family (the ``register_backends`` hook's body)."""
+        for spec in self.backends:
+            kwargs: dict[str, Any] = {}
+            if spec.default_model is not None:
+                kwargs["default_model"] = spec.default_model
+            register(
+                spec.name,
+                self.create_backend,
+                architectures=spec.architectures,
+                description=spec.description,
+                **kwargs,
+            )
