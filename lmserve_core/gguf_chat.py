@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -152,6 +152,8 @@ class GGUFChatBackend:
         self.conventions = conventions
         self.settings = settings
         self.model_id = model_id or Path(gguf.path).stem
+        conventions = file_sampling(gguf, conventions)
+        self.conventions = conventions
         self.capabilities: Capabilities = conventions.capabilities
         self.context_length = int(settings.ctx)
         if self.context_length < 2:
@@ -564,7 +566,7 @@ class GGUFChatBackend:
             sink,
             StopScanner(request.stop),
             self._router(request, prepared),
-            prepared.tools.parser() if prepared.tools is not None else None,
+            prepared.tools.parser(request.tools) if prepared.tools is not None else None,
         )
         if prepared.matcher is not None:
             n_words = (self._ll_tokenizer().vocab_size + 31) // 32
@@ -888,6 +890,41 @@ class GGUFChatBackend:
         for tid in ids:
             if not 0 <= int(tid) < n:
                 raise InvalidRequest(f"token id {tid} is outside the vocabulary [0, {n})")
+
+
+# general.sampling.* keys (as llama.cpp's converter writes a model's generation_config)
+# and the SamplingDefaults field each sets.
+_FILE_SAMPLING = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repeat_penalty",
+}
+
+
+def file_sampling(gguf: GGUFFile, conventions: FamilyConventions) -> FamilyConventions:
+    """``conventions`` with the sampling a file recommends (``general.sampling.*``) in place
+    of the family's, thinking or not; values out of range are ignored."""
+    found: dict[str, float | int] = {}
+    for key, name in _FILE_SAMPLING.items():
+        value = gguf.metadata.get(f"general.sampling.{key}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            continue
+        if (name == "top_k" and (value < 0 or value != int(value))) or (
+            name in ("top_p", "min_p") and not 0.0 <= value <= 1.0
+        ) or (name in ("temperature", "repeat_penalty") and value < 0.0):
+            continue
+        found[name] = int(value) if name == "top_k" else float(value)
+    if not found:
+        return conventions
+    log.info("file_sampling", **found)
+    thinking = conventions.thinking_sampling
+    return replace(
+        conventions,
+        sampling=replace(conventions.sampling, **found),
+        thinking_sampling=None if thinking is None else replace(thinking, **found),
+    )
 
 
 def _forced(request: NormalizedRequest) -> bool:

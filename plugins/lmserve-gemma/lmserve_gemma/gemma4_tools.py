@@ -35,9 +35,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmserve_core.request import ToolCall
-from lmserve_core.tools import call_id
+from lmserve_core.tools import MarkerRegionParser, call_id
 
 if TYPE_CHECKING:
+    from lmserve_core.request import Tool
     from lmserve_core.tools import ToolConvention
 
 __all__ = [
@@ -241,103 +242,46 @@ def format_call(name: str, arguments: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------- streaming
 
 
-def _partial_tail(text: str, marker: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class Gemma4Parser:
-    """Streams reply text, lifting out ``<|tool_call>call:NAME{…}<tool_call|>`` regions.
-
-    Outside a region only text that may still become the opening marker is held back, plus
-    trailing whitespace (content only if more text follows: whitespace that merely separates
-    text from a call, or two calls, is dropped). Inside a region everything waits for the
-    closing marker; a closing marker inside a ``<|"|>`` string is string text. A region that
-    is not a call passes through as content, markers included; so does an unclosed one when
-    the reply ends.
+class Gemma4Parser(MarkerRegionParser):
+    """Streams reply text, lifting out ``<|tool_call>call:NAME{…}<tool_call|>`` regions (the
+    streaming is :class:`~lmserve_core.tools.MarkerRegionParser`'s: text outside the regions
+    is content, only what may still become the opening marker held back). Inside a region a
+    closing marker within a ``<|"|>`` string is string text. A region that is not a call
+    passes through as content, markers included; so does an unclosed one when the reply
+    ends.
     """
 
     def __init__(self) -> None:
-        self._buf = ""
-        self._inside = False
-        self._space = ""  # trailing whitespace held back
-        self._gap = ""  # whitespace before the open region: text again if it is no call
-        self._scan = 0  # inside: where the search for the closing marker goes on
+        super().__init__(CALL_OPEN, CALL_CLOSE)
         self._quoted = False  # inside: the search stands within a <|"|> string
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buf += text
-        out: list[str] = []
-        calls: list[ToolCall] = []
-        while True:
-            if self._inside:
-                end = self._close_at()
-                if end < 0:
-                    break
-                body = self._buf[:end]
-                self._buf = self._buf[end + len(CALL_CLOSE) :]
-                self._inside = False
-                call = parse_call(body.strip())
-                if call is None:  # not a call: the model's text, markers and all
-                    out.append(self._gap + CALL_OPEN + body + CALL_CLOSE)
-                else:
-                    calls.append(call)
-                self._space = self._gap = ""
-                continue
-            start = self._buf.find(CALL_OPEN)
-            if start >= 0:
-                before = self._space + self._buf[:start]
-                kept = before.rstrip()
-                if kept:
-                    out.append(kept)
-                self._gap = before[len(kept) :]
-                self._space = ""
-                self._buf = self._buf[start + len(CALL_OPEN) :]
-                self._inside, self._scan, self._quoted = True, 0, False
-                continue
-            keep = _partial_tail(self._buf, CALL_OPEN)
-            ready = self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep :]
-            kept = ready.rstrip()
-            if kept:
-                out.append(self._space + kept)
-                self._space = ready[len(kept) :]
-            else:
-                self._space += ready
-            break
-        return "".join(out), calls
+    def parse_region(self, body: str) -> ToolCall | None:
+        return parse_call(body.strip())
 
-    def _close_at(self) -> int:
-        """Where the closing marker of the open region starts, or -1 while it has not come."""
-        buf, i = self._buf, self._scan
+    def begin_region(self) -> None:
+        super().begin_region()
+        self._quoted = False
+
+    def close_at(self, region: str) -> int:
+        i = self._scan
         while True:
             if self._quoted:
-                j = buf.find(QUOTE, i)
+                j = region.find(QUOTE, i)
                 if j < 0:
-                    self._scan = max(i, len(buf) - len(QUOTE) + 1)
+                    self._scan = max(i, len(region) - len(QUOTE) + 1)
                     return -1
                 i, self._quoted = j + len(QUOTE), False
                 continue
-            quote = buf.find(QUOTE, i)
-            close = buf.find(CALL_CLOSE, i)
+            quote = region.find(QUOTE, i)
+            close = region.find(CALL_CLOSE, i)
             if close >= 0 and (quote < 0 or close < quote):
                 return close
             if quote >= 0:
                 i, self._quoted = quote + len(QUOTE), True
                 continue
             # a marker that starts before this point would have been found whole
-            self._scan = max(i, len(buf) - len(CALL_CLOSE) + 1)
+            self._scan = max(i, len(region) - len(CALL_CLOSE) + 1)
             return -1
-
-    def flush(self) -> tuple[str, list[ToolCall]]:
-        # an unclosed region is text, its marker included
-        text = (self._gap + CALL_OPEN if self._inside else self._space) + self._buf
-        self._buf, self._inside, self._space, self._gap = "", False, "", ""
-        self._scan, self._quoted = 0, False
-        return text, []
 
 
 # ---------------------------------------------------------------------------- grammar
@@ -683,7 +627,7 @@ class Gemma4Convention:
 
     name = "gemma4"
 
-    def parser(self) -> Gemma4Parser:
+    def parser(self, tools: Iterable[Tool] | None = None) -> Gemma4Parser:
         return Gemma4Parser()
 
     def forced_grammar(
