@@ -1,0 +1,225 @@
+"""The family conformance suite: what every model family must show, run by each plugin on
+its own models.
+
+A plugin's test module subclasses :class:`FamilyConformance` and supplies two fixtures,
+``kind`` (parametrized over its architectures) and ``subject`` (a :class:`Subject` of one
+kind and tensor type); pytest then runs every ``test_*`` method below on each kind::
+
+    class TestQwen35(FamilyConformance):
+        @pytest.fixture(params=["qwen35", "qwen35moe"])
+        def kind(self, request): return request.param
+
+        @pytest.fixture
+        def subject(self, kind, synthetic): return SUBJECTS(synthetic, kind)
+
+The checks: logits against transformers in float32 (f32 and f16 KV caches, the reference
+rounded where the f16 cache rounds), each tensor type against its own decoded weights,
+greedy continuations equal to transformers', prefill equal to token-by-token decode, a
+batch equal to each sequence alone, a cache resumed from a reused prefix equal to a cold
+one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, and
+through the served backend: speculative decoding's greedy replies equal to plain decoding's,
+and a second request resuming from the first's cache equal to a cold one.
+
+torch, transformers and pytest are imported by the tests that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from lmserve_core.testing.numerics import (
+    check_batched_decode,
+    greedy,
+    reference_greedy,
+    stepped_logits,
+)
+
+__all__ = ["FamilyConformance", "Subject"]
+
+
+@dataclass
+class Subject:
+    """One synthetic model of a family: ours on the GGUF, transformers on its weights.
+
+    ``load(kv_type, n_batch)`` builds our model; ``hf`` is the transformers model holding
+    exactly the GGUF's weights (float32, eval); ``rounding(kv)`` is a context in which the
+    reference computes as a cache of type ``kv`` stores (a null context for f32);
+    ``create_backend(path, settings)`` the family's backend factory.
+    """
+
+    path: str
+    load: Callable[..., Any]
+    hf: Any
+    tokenizer: Any
+    rounding: Callable[[str], Any] = field(default=lambda kv: contextlib.nullcontext())
+    create_backend: Callable[..., Any] | None = None
+    of_type: Callable[[str], Subject] | None = None  # the same model in another tensor type
+    _models: dict[tuple[str, int], Any] = field(default_factory=dict)
+
+    def model(self, kv: str = "f16", n_batch: int = 256) -> Any:
+        key = (kv, n_batch)
+        if key not in self._models:
+            self._models[key] = self.load(kv_type=kv, n_batch=n_batch)
+        return self._models[key]
+
+    def ids(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special=True, parse_special=True))
+
+    def theirs(self, ids: Sequence[int], kv: str = "f16") -> np.ndarray:
+        import torch
+
+        with torch.no_grad(), self.rounding(kv):
+            return self.hf(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+    def mine(self, ids: Sequence[int], kv: str = "f16") -> np.ndarray:
+        model = self.model(kv)
+        return model.forward(model.new_cache(len(ids) + 8), list(ids), 0, all_logits=True)
+
+
+class FamilyConformance:
+    """The checks every family passes; see the module's docstring."""
+
+    # max |ours - reference| of the logits, per KV cache type: a family sets its own bounds
+    # (measured, with a margin) when its logits spread wider than the synthetic defaults
+    LOGIT_ATOL: ClassVar[dict[str, float]] = {"f32": 1e-3, "f16": 5e-3}
+    # the same computation cut into other pieces (chunks, resumed caches)
+    PATH_ATOL: ClassVar[float] = 1e-3
+    # the tensor types each kind is also checked in, against its own decoded weights
+    TYPES: ClassVar[tuple[str, ...]] = ("f16", "q8_0")
+    PROMPTS: ClassVar[tuple[str, ...]] = (
+        "<|im_start|>user\nWhat is the capital of France? Answer in one word.<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "def fibonacci(n: int) -> list[int]:\n    out = [0, 1]\n    while len(out) < n:\n",
+        "The history of the bicycle begins in the early nineteenth century, when inventors",
+    )
+    GREEDY_TOKENS: ClassVar[int] = 24
+
+    # ------------------------------------------------------------------ numerics
+
+    def test_logits_match_transformers(self, subject: Subject) -> None:
+        for kv in ("f32", "f16"):
+            worst = 0.0
+            for prompt in self.PROMPTS:
+                ids = subject.ids(prompt)
+                got, want = subject.mine(ids, kv), subject.theirs(ids, kv)
+                assert got.shape == want.shape
+                worst = max(worst, float(np.abs(got - want).max()))
+                assert (got.argmax(axis=1) == want.argmax(axis=1)).all(), (kv, prompt)
+            print(f"{kv} KV: max |diff| {worst:.3g}")
+            assert worst <= self.LOGIT_ATOL[kv], kv
+
+    def test_tensor_types_match_their_decoded_weights(self, subject: Subject) -> None:
+        # the reference holds each file's decoded weights: only the kernels' decoding and
+        # arithmetic are compared
+        assert subject.of_type is not None, "the subject cannot load other tensor types"
+        for type_name in self.TYPES:
+            other = subject.of_type(type_name)
+            ids = other.ids(self.PROMPTS[0] + self.PROMPTS[2])
+            diff = float(np.abs(other.mine(ids, "f32") - other.theirs(ids, "f32")).max())
+            print(f"{type_name}: max |diff| {diff:.3g}")
+            assert diff <= self.LOGIT_ATOL["f16"], type_name
+
+    def test_greedy_continuations_match_transformers(self, subject: Subject) -> None:
+        for kv in ("f32", "f16"):
+            for prompt in self.PROMPTS:
+                ids = subject.ids(prompt)
+                with subject.rounding(kv):
+                    want = reference_greedy(subject.hf, ids, self.GREEDY_TOKENS, exact=True)
+                assert greedy(subject.model(kv), ids, self.GREEDY_TOKENS) == want, (kv, prompt)
+
+    # ------------------------------------------------------------------ cache paths
+
+    def test_prefill_equals_token_by_token_decode(self, subject: Subject) -> None:
+        ids = subject.ids(self.PROMPTS[0])
+        diff = float(np.abs(subject.mine(ids) - stepped_logits(subject.model(), ids)).max())
+        assert diff <= self.PATH_ATOL
+
+    def test_batched_decode_equals_each_sequence_alone(self, subject: Subject) -> None:
+        check_batched_decode(subject.model(), [subject.ids(p) for p in self.PROMPTS])
+
+    def test_resumed_cache_equals_cold(self, subject: Subject) -> None:
+        # a prompt read in several chunks; its cache cut back to what it can reuse of a
+        # shorter common prefix; the rest read again, also into a copy of that prefix
+        model = subject.model(n_batch=16)
+        ids = subject.ids(self.PROMPTS[0] + self.PROMPTS[1])
+        n = len(ids)
+        cold = model.forward(model.new_cache(n), ids, 0, all_logits=True)
+        cache = model.new_cache(n)
+        plan = getattr(cache, "plan", None)
+        if plan is not None:
+            plan(n)  # a recurrent cache keeps checkpoints where it is told to
+        model.forward(cache, ids, 0)
+        m = cache.reusable_prefix(n, n - 2)
+        assert 0 < m <= n - 2
+        copy = model.new_cache(n)
+        model.copy_rows(cache, copy, m)
+        cache.truncate(m)
+        for c in (cache, copy):
+            warm = model.forward(c, ids[m:], m, all_logits=True)
+            assert np.abs(warm - cold[m:]).max() <= self.PATH_ATOL
+
+    def test_snapshot_restored_equals_cold(self, subject: Subject) -> None:
+        model = subject.model()
+        ids = subject.ids(self.PROMPTS[1] + self.PROMPTS[2])
+        n = len(ids)
+        cold = model.forward(model.new_cache(n + 4), ids + ids[:4], 0, all_logits=True)[n:]
+        cache = model.new_cache(n + 4)
+        model.forward(cache, ids, 0)
+        restored = model.new_cache(n + 4)
+        restored.restore(n, cache.snapshot(n))
+        warm = model.forward(restored, ids[:4], n, all_logits=True)
+        # bit for bit what the cache itself gives next; the cold pass reads the rows in
+        # another cut (one chunk), so float32 summation order only
+        np.testing.assert_array_equal(warm, model.forward(cache, ids[:4], n, all_logits=True))
+        assert np.abs(warm - cold).max() <= self.PATH_ATOL
+
+    # ------------------------------------------------------------------ served
+
+    def test_speculative_and_reused_replies_equal_plain(self, subject: Subject) -> None:
+        if subject.create_backend is None:
+            import pytest
+
+            pytest.skip("the subject has no backend factory")
+        prompts = [
+            "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta",
+            "Count from one to ten in words.",
+        ]
+        plain = self._replies(subject, prompts, spec=False)
+        spec = self._replies(subject, prompts, spec=True)
+        assert spec == plain
+        # the second round reused what the first left (every slot holds a conversation)
+        assert all(cached > 0 for _, cached in spec[len(prompts):])
+
+    def _replies(
+        self, subject: Subject, prompts: Sequence[str], *, spec: bool
+    ) -> list[tuple[str, int]]:
+        from lmserve_core.backend import ServerSettings
+        from lmserve_core.testing.serving import serve
+
+        settings = ServerSettings(ctx=1024, threads=2, kv_slots=4, batch=1)
+        if spec:
+            settings.extra["spec"] = True
+        assert subject.create_backend is not None
+        backend = subject.create_backend(subject.path, settings)
+        out: list[tuple[str, int]] = []
+        with serve(backend, settings) as client:
+            for _round in range(2):
+                for prompt in prompts:
+                    body = {
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": 24,
+                        "temperature": 0,
+                        "chat_template_kwargs": {"enable_thinking": False},
+                    }
+                    r = client.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    data = r.json()
+                    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    out.append((data["choices"][0]["message"]["content"] or "", cached))
+        return out
+
