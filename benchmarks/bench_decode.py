@@ -17,6 +17,9 @@ Models:
   heads, head_dim 128, ffn 3072, vocab 151936, tied), Q8_0.
 - ``qwen3moe-1b``: a Qwen3-MoE of 1.2B parameters (10 layers, hidden 1024, 64 experts of
   width 512, top-8), Q8_0.
+- ``qwen35-0.8b``: random weights with Qwen3.5-0.8B's geometry (24 layers of 1024, 18 gated
+  DeltaNet and 6 gated attention layers, vocab 248320, tied), Q8_0, converted by llama.cpp's
+  own converter (``plugins/lmserve-qwen35/tests/synthetic.py``).
 
 The two synthetic files are written once by ``plugins/lmserve-qwen3/tests/synthetic.py`` and
 cached. The engines alternate round by round so both see the same machine noise; the CPU
@@ -45,6 +48,7 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = {"qwen3-0.6b": ("qwen3", "0.6b"), "qwen3moe-1b": ("qwen3moe", "moe-1b")}
+SYNTHETIC_QWEN35 = {"qwen35-0.8b": ("qwen35", "0.8b")}
 
 
 def cpu_model() -> str:
@@ -88,6 +92,9 @@ def model_path(name: str) -> Path:
         return smollm2_path()
     if name == "gemma3-270m":
         return gemma3_path()
+    if name in SYNTHETIC_QWEN35:
+        kind, size = SYNTHETIC_QWEN35[name]
+        return Path(qwen35_synthetic().synthetic_model(kind, "q8_0", size)[0])
     if name in SYNTHETIC:
         sys.path.insert(0, str(ROOT / "plugins" / "lmserve-qwen3" / "tests"))
         from synthetic import synthetic_model
@@ -102,6 +109,21 @@ def model_path(name: str) -> Path:
     return path
 
 
+def qwen35_synthetic() -> Any:
+    """plugins/lmserve-qwen35/tests/synthetic.py, under a name of its own (the qwen3 plugin's
+    tests have a ``synthetic`` module too)."""
+    name = "qwen35_synthetic"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, ROOT / "plugins" / "lmserve-qwen35" / "tests" / "synthetic.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def load(path: Path, threads: int) -> Any:
     from lmserve_core.gguf_file import GGUFFile
     from lmserve_core.plugins import backend_for_architecture
@@ -114,6 +136,10 @@ def load(path: Path, threads: int) -> Any:
         from lmserve_qwen3.model import Qwen3Model
 
         return Qwen3Model.load(gguf, n_threads=threads)
+    if spec.plugin == "qwen35":
+        from lmserve_qwen35.model import Qwen35Model
+
+        return Qwen35Model.load(gguf, n_threads=threads)
     if spec.plugin == "gemma":
         from lmserve_gemma.model import Gemma3Model
 
