@@ -18,7 +18,9 @@ greedy continuations equal to transformers', prefill equal to token-by-token dec
 batch equal to each sequence alone, a cache resumed from a reused prefix equal to a cold
 one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, and
 through the served backend: speculative decoding's greedy replies equal to plain decoding's,
-and a second request resuming from the first's cache equal to a cold one.
+a second request resuming from the first's cache equal to a cold one, concurrent requests
+with ``n`` choices and logprobs equal to each alone, and a conversation restored from the
+disk tier by a new server equal to a cold one.
 
 torch, transformers and pytest are imported by the tests that use them.
 """
@@ -195,31 +197,88 @@ class FamilyConformance:
         # the second round reused what the first left (every slot holds a conversation)
         assert all(cached > 0 for _, cached in spec[len(prompts):])
 
+    def test_batched_choices_and_logprobs_equal_alone(self, subject: Subject) -> None:
+        # concurrent requests decode in one batch; n choices share their prompt's rows; the
+        # greedy text and logprobs are what each request gets alone
+        import concurrent.futures
+
+        if subject.create_backend is None:
+            import pytest
+
+            pytest.skip("the subject has no backend factory")
+        prompts = ["Name a color.", "Count from one to ten in words.", "Say hello."]
+        alone = [self._ask(subject, [p], batch=1)[0] for p in prompts]
+        with self._client(subject, batch=4) as client, concurrent.futures.ThreadPoolExecutor(
+            len(prompts)
+        ) as pool:
+            together = list(pool.map(lambda p: self._post(client, p, n=2, logprobs=True), prompts))
+        for one, both in zip(alone, together, strict=True):
+            choices = both["choices"]
+            assert len(choices) == 2
+            for choice in choices:
+                assert choice["message"]["content"] == one["choices"][0]["message"]["content"]
+                got = [t["logprob"] for t in choice["logprobs"]["content"]]
+                want = [t["logprob"] for t in one["choices"][0]["logprobs"]["content"]]
+                np.testing.assert_allclose(got, want, atol=1e-4)
+
+    def test_disk_tier_restores_across_a_restart(self, subject: Subject, tmp_path: Any) -> None:
+        if subject.create_backend is None:
+            import pytest
+
+            pytest.skip("the subject has no backend factory")
+        prompt = self.PROMPTS[2] + " " + self.PROMPTS[1]
+        cold = self._ask(subject, [prompt], batch=1)[0]
+        first = self._ask(subject, [prompt], batch=1, disk=tmp_path)[0]  # stored at the stop
+        warm = self._ask(subject, [prompt], batch=1, disk=tmp_path)[0]  # a new server
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        text = [r["choices"][0]["message"]["content"] for r in (cold, first, warm)]
+        assert text[0] == text[1] == text[2]
+
     def _replies(
         self, subject: Subject, prompts: Sequence[str], *, spec: bool
     ) -> list[tuple[str, int]]:
+        out = self._ask(subject, [*prompts, *prompts], batch=1, spec=spec)
+        return [
+            (
+                r["choices"][0]["message"]["content"] or "",
+                r["usage"]["prompt_tokens_details"]["cached_tokens"],
+            )
+            for r in out
+        ]
+
+    def _client(
+        self, subject: Subject, *, batch: int, spec: bool = False, disk: Any = None
+    ) -> Any:
         from lmserve_core.backend import ServerSettings
         from lmserve_core.testing.serving import serve
 
-        settings = ServerSettings(ctx=1024, threads=2, kv_slots=4, batch=1)
+        settings = ServerSettings(ctx=1024, threads=2, kv_slots=4, batch=batch)
         if spec:
             settings.extra["spec"] = True
+        if disk is not None:
+            settings.extra["kv_cache_dir"] = str(disk)
         assert subject.create_backend is not None
-        backend = subject.create_backend(subject.path, settings)
-        out: list[tuple[str, int]] = []
-        with serve(backend, settings) as client:
-            for _round in range(2):
-                for prompt in prompts:
-                    body = {
-                        "messages": [{"role": "user", "content": prompt}],
-                        "max_tokens": 24,
-                        "temperature": 0,
-                        "chat_template_kwargs": {"enable_thinking": False},
-                    }
-                    r = client.post("/v1/chat/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    data = r.json()
-                    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    out.append((data["choices"][0]["message"]["content"] or "", cached))
-        return out
+        return serve(subject.create_backend(subject.path, settings), settings)
+
+    def _ask(
+        self, subject: Subject, prompts: Sequence[str], *, batch: int, spec: bool = False,
+        disk: Any = None,
+    ) -> list[dict[str, Any]]:
+        with self._client(subject, batch=batch, spec=spec, disk=disk) as client:
+            return [self._post(client, p, logprobs=True) for p in prompts]
+
+    @staticmethod
+    def _post(client: Any, prompt: str, *, n: int = 1, logprobs: bool = False) -> dict[str, Any]:
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 24,
+            "temperature": 0,
+            "n": n,
+            "logprobs": logprobs,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
 
