@@ -316,6 +316,11 @@ class _ModelDrafter:
         del rows[keep:]
         logits = self.model.forward(self._cache, list(history[keep:]), keep)
         rows.extend(history[keep:])
+        # a state that cannot be cut back (a recurrent cache) is remembered here, at the end
+        # of the history, and returned to after drafting: the next history continues it
+        mark = getattr(self._cache, "mark", None) if not self._cache.kind.truncate else None
+        if mark is not None:
+            mark()
         out: list[int] = []
         for _ in range(k):
             tok = int(np.argmax(logits))
@@ -324,6 +329,9 @@ class _ModelDrafter:
                 break
             logits = self.model.forward(self._cache, [tok], len(rows))
             rows.append(tok)
+        if mark is not None:
+            self._cache.rewind()  # type: ignore[attr-defined]
+            del rows[n:]
         return out
 
     def close(self) -> None:

@@ -194,6 +194,8 @@ class FamilyConformance:
         plain = self._replies(subject, prompts, spec=False)
         spec = self._replies(subject, prompts, spec=True)
         assert spec == plain
+        # a draft model (the model drafting for itself) takes the same path
+        assert self._replies(subject, prompts, spec=True, draft=True) == plain
         # the second round reused what the first left (every slot holds a conversation)
         assert all(cached > 0 for _, cached in spec[len(prompts):])
 
@@ -235,9 +237,9 @@ class FamilyConformance:
         assert text[0] == text[1] == text[2]
 
     def _replies(
-        self, subject: Subject, prompts: Sequence[str], *, spec: bool
+        self, subject: Subject, prompts: Sequence[str], *, spec: bool, draft: bool = False
     ) -> list[tuple[str, int]]:
-        out = self._ask(subject, [*prompts, *prompts], batch=1, spec=spec)
+        out = self._ask(subject, [*prompts, *prompts], batch=1, spec=spec, draft=draft)
         return [
             (
                 r["choices"][0]["message"]["content"] or "",
@@ -247,7 +249,8 @@ class FamilyConformance:
         ]
 
     def _client(
-        self, subject: Subject, *, batch: int, spec: bool = False, disk: Any = None
+        self, subject: Subject, *, batch: int, spec: bool = False, draft: bool = False,
+        disk: Any = None,
     ) -> Any:
         from lmserve_core.backend import ServerSettings
         from lmserve_core.testing.serving import serve
@@ -255,6 +258,8 @@ class FamilyConformance:
         settings = ServerSettings(ctx=1024, threads=2, kv_slots=4, batch=batch)
         if spec:
             settings.extra["spec"] = True
+        if draft:
+            settings.extra["spec_draft"] = subject.path
         if disk is not None:
             settings.extra["kv_cache_dir"] = str(disk)
         assert subject.create_backend is not None
@@ -262,9 +267,9 @@ class FamilyConformance:
 
     def _ask(
         self, subject: Subject, prompts: Sequence[str], *, batch: int, spec: bool = False,
-        disk: Any = None,
+        draft: bool = False, disk: Any = None,
     ) -> list[dict[str, Any]]:
-        with self._client(subject, batch=batch, spec=spec, disk=disk) as client:
+        with self._client(subject, batch=batch, spec=spec, draft=draft, disk=disk) as client:
             return [self._post(client, p, logprobs=True) for p in prompts]
 
     @staticmethod
