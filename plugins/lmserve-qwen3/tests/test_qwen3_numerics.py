@@ -35,18 +35,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from lmserve_qwen3.model import Qwen3Model  # noqa: E402
+from lmserve_qwen3.plugin import create_backend  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
+from lmserve_core.testing.conformance import FamilyConformance, Subject  # noqa: E402
 from lmserve_core.testing.numerics import (  # noqa: E402
-    check_batched_decode,
     f32_reference_path,  # noqa: F401 (an autouse fixture: f32 activations throughout)
-    greedy,
     one_torch_thread,  # noqa: F401 (an autouse fixture: torch on one thread)
-    reference_greedy,
     reference_loader,
-    stepped_logits,
 )
 from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
@@ -135,22 +133,37 @@ class Reference:
 reference = reference_loader(Reference)
 
 
-# ---------------------------------------------------------------------------- logits
+def subject(synthetic: Any, kind: str, type: str = "f32") -> Subject:
+    """One synthetic model as the conformance suite sees it."""
+    ref = reference(synthetic, kind, type)
+    return Subject(
+        path=ref.gguf.path,
+        load=lambda kv_type="f16", n_batch=256: Qwen3Model.load(
+            ref.gguf, n_threads=2, kv_type=kv_type, n_batch=n_batch
+        ),
+        hf=ref.hf,
+        tokenizer=ref.tokenizer,
+        rounding=ref.rounding,
+        create_backend=create_backend,
+        of_type=lambda t: subject(synthetic, kind, t),
+    )
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("kv", KV_TYPES)
-def test_logits_match_transformers(kind: str, kv: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
-    worst = 0.0
-    for prompt in PROMPTS:
-        ids = ref.ids(prompt)
-        got, want = ref.mine(ids, kv), ref.theirs(ids, kv)
-        assert got.shape == want.shape == (len(ids), ref.ours.n_vocab)
-        worst = max(worst, float(np.abs(got - want).max()))
-        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
-    print(f"{kind} {kv} KV: max |diff| {worst:.3g}")
-    assert worst <= LOGIT_ATOL[kv]
+class TestQwen3Conformance(FamilyConformance):
+    """The family conformance suite on both architectures."""
+
+    LOGIT_ATOL = LOGIT_ATOL
+    PATH_ATOL = PREFILL_DECODE_ATOL
+    TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
+    PROMPTS = tuple(PROMPTS)
+
+    @pytest.fixture(params=KINDS)
+    def kind(self, request: Any) -> str:
+        return str(request.param)
+
+    @pytest.fixture
+    def subject(self, kind: str, synthetic: Any) -> Subject:
+        return subject(synthetic, kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -165,87 +178,16 @@ def test_half_precision_storage_moves_logits_little(kind: str, synthetic: Any) -
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("type", ["f16", "bf16", "q8_0", "q4_k_m"])
-def test_quantized_files_match_transformers_on_their_weights(
-    kind: str, type: str, synthetic: Any
-) -> None:
-    # The reference holds each file's decoded weights: only the kernels' decoding and
-    # arithmetic are compared, in every encoding Qwen3 GGUFs are published in.
-    ref = reference(synthetic, kind, type)
-    ids = ref.ids(PROMPTS[0] + PROMPTS[2])
-    diff = float(np.abs(ref.mine(ids, "f32") - ref.theirs(ids, "f32")).max())
-    types = sorted({t.type_name for t in ref.gguf.tensors.values()})
-    print(f"{kind} {type} ({', '.join(types)}): max |diff| {diff:.3g}")
-    assert diff <= LOGIT_ATOL["f32"]
-
-
-# ---------------------------------------------------------------------------- top-1
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("kv", KV_TYPES)
-def test_teacher_forced_top1_agreement(kind: str, kv: str, synthetic: Any) -> None:
+def test_teacher_forced_top1_agreement(kind: str, synthetic: Any) -> None:
     ref = reference(synthetic, kind)
     ids = ref.tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_special=True)[:256]
     assert len(ids) >= 200
-    got, want = ref.mine(ids, kv), ref.theirs(ids, kv)
-    agreement = float((got.argmax(axis=1) == want.argmax(axis=1)).mean())
-    print(f"{kind} {kv} KV: top-1 agreement over {len(ids)} tokens {agreement:.2%}, "
-          f"max |diff| {np.abs(got - want).max():.3g}")
-    assert agreement == 1.0
-
-
-# ---------------------------------------------------------------------------- cache paths
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_prefill_equals_token_by_token_decode(kind: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
-    ids = ref.ids(PROMPTS[3])
-    batched = ref.mine(ids)
-    stepped = stepped_logits(ref.ours, ids)
-    diff = float(np.abs(batched - stepped).max())
-    print(f"{kind}: prefill vs decode over {len(ids)} tokens: max |diff| {diff:.3g}")
-    assert diff <= PREFILL_DECODE_ATOL
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_batched_decode_equals_each_sequence_alone(kind: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
-    check_batched_decode(ref.ours, [ref.ids(p) for p in PROMPTS])
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_chunked_prefill_resumed_over_copied_rows(kind: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
-    small = Qwen3Model.load(ref.gguf, n_threads=2, n_batch=16)  # several chunks per prompt
-    ids = ref.ids(PROMPTS[0] + PROMPTS[1])
-    whole = small.forward(small.new_cache(len(ids)), ids, 0, all_logits=True)
-    split = 23
-    donor = small.new_cache(len(ids))
-    small.forward(donor, ids[:split], 0)
-    cache = small.new_cache(len(ids))
-    small.copy_rows(donor, cache, split)
-    rest = small.forward(cache, ids[split:], split, all_logits=True)
-    assert np.abs(rest - whole[split:]).max() <= PREFILL_DECODE_ATOL
-
-
-# ---------------------------------------------------------------------------- greedy
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("kv", KV_TYPES)
-def test_greedy_continuations_match_transformers(kind: str, kv: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
-    model = ref.model(kv)
-    n_new = 32
-    for prompt in PROMPTS:
-        ids = ref.ids(prompt)
-        with ref.rounding(kv):
-            want = reference_greedy(ref.hf, ids, n_new, exact=True)
-        got = greedy(model, ids, n_new)
-        assert len(want) == n_new
-        assert got == want, ref.tokenizer.decode(got)
+    for kv in KV_TYPES:
+        got, want = ref.mine(ids, kv), ref.theirs(ids, kv)
+        agreement = float((got.argmax(axis=1) == want.argmax(axis=1)).mean())
+        print(f"{kind} {kv} KV: top-1 agreement over {len(ids)} tokens {agreement:.2%}, "
+              f"max |diff| {np.abs(got - want).max():.3g}")
+        assert agreement == 1.0
 
 
 # ---------------------------------------------------------------------------- routing
