@@ -3,12 +3,14 @@
 The ``gguf`` package's reader parses the file (memory-mapped); this module turns whatever it
 raises on a truncated, malformed or hostile file into :class:`GGUFError`, and re-checks every
 tensor's type, shape, alignment and extent against the file itself before a view of its bytes
-can reach native code. Tensor data is never copied: each :class:`TensorInfo` carries a
+can reach native code (and tells the two block layouts of Q2_0, GGML type 42, apart by that
+extent). Tensor data is never copied: each :class:`TensorInfo` carries a
 zero-copy ``uint8`` view into the mapping.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -21,7 +23,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-__all__ = ["GGUFError", "GGUFFile", "TensorInfo", "SUPPORTED_VERSIONS"]
+__all__ = ["GGUFError", "GGUFFile", "TensorInfo", "SUPPORTED_VERSIONS", "Q2_0", "Q2_0_128"]
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -31,6 +33,20 @@ MAX_ARRAY_ITEMS = 1 << 22
 # Numeric arrays at least this long (a vocabulary's scores, token types) stay numpy views of
 # the file instead of lists.
 LARGE_ARRAY = 4096
+
+# GGML type 42, Q2_0, has two block layouts in the wild, with the same 2-bit codes (value
+# (code - 1) * d): llama.cpp's, 64 elements in 18 bytes, and that of the Ternary-Bonsai files
+# PrismML published, 128 elements in 34 bytes. The file does not say which: a tensor's bytes
+# do (the span up to the next tensor, or to the end of the file, less the alignment padding),
+# and a tensor of the second layout gets lmserve's own type id Q2_0_128 (lm_type's
+# LM_Q2_0_128: the id PrismML's llama.cpp later gave that layout, which a file may carry too).
+Q2_0 = 42
+Q2_0_128 = 142
+# (name, elements per block, bytes per block) of the types the gguf package may not know
+_OWN_TYPES: dict[int, tuple[str, int, int]] = {
+    Q2_0: ("Q2_0", 64, 18),
+    Q2_0_128: ("Q2_0_128", 128, 34),
+}
 
 
 class GGUFError(ValueError):
@@ -214,12 +230,14 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
+        return _type_name(self.ggml_type)
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one row (the innermost dimension) in this tensor's encoding."""
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        geometry = _geometry(self.ggml_type)
+        assert geometry is not None  # a TensorInfo is only made for a known type
+        _, block, size = geometry
         cols = self.shape[-1] if self.shape else 1
         return cols // block * size
 
@@ -314,15 +332,22 @@ class GGUFFile:
         alignment = int(reader.alignment)
         data_offset = int(reader.data_offset)
         base = reader.data  # the file's read-only mapping, as uint8
-        tensors: dict[str, TensorInfo] = {}
+        table: list[tuple[str, tuple[int, ...], int, int]] = []
         for field in reader.tensor_infos:
             _, name_data, _, dims, raw_type, rel = field.parts
             name = bytes(name_data).decode(errors="replace")
+            table.append((name, tuple(int(d) for d in dims), int(raw_type[0]), int(rel[0])))
+        # Where each tensor's bytes may run to: the next tensor's start, or the end of the
+        # file (what tells Q2_0's two layouts apart).
+        starts = sorted(data_offset + rel for _, _, _, rel in table)
+        tensors: dict[str, TensorInfo] = {}
+        for name, ne, ggml_type, rel in table:
             if name in tensors:
                 raise fail(f"duplicate tensor name {name!r}")
-            ne = tuple(int(d) for d in dims)
+            after = bisect.bisect_right(starts, data_offset + rel)
+            span_end = starts[after] if after < len(starts) else size
             tensors[name] = _check_tensor(
-                fail, size, base, name, ne, int(raw_type[0]), int(rel[0]), data_offset, alignment
+                fail, size, base, name, ne, ggml_type, rel, data_offset, alignment, span_end
             )
         # Overlapping tensors mean a corrupt table: two weights would alias the same bytes.
         prev: TensorInfo | None = None
@@ -400,10 +425,55 @@ class GGUFFile:
 
 
 def _type_name(t: int) -> str:
+    geometry = _geometry(t)
+    return geometry[0] if geometry is not None else str(t)
+
+
+def _geometry(t: int) -> tuple[str, int, int] | None:
+    """(name, elements per block, bytes per block) of GGML type ``t``, None if unknown."""
+    if t in _OWN_TYPES:  # before the gguf package, which may not know them or only one
+        return _OWN_TYPES[t]
     try:
-        return GGMLQuantizationType(t).name
-    except ValueError:
-        return str(t)
+        qtype = GGMLQuantizationType(t)
+        block, size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        return None
+    return qtype.name, block, size
+
+
+def _padded(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _q2_0_layout(
+    fail: Callable[[str], GGUFError],
+    name: str,
+    ne: tuple[int, ...],
+    n_elements: int,
+    span: int,
+    alignment: int,
+) -> int:
+    """The type, Q2_0 or Q2_0_128, whose bytes fill a type-42 tensor's span of the file (at
+    least the tensor's bytes, at most those padded to the alignment): exactly one must fit."""
+    layouts = []  # (type, bytes) of the layouts whose blocks divide the rows
+    for t in (Q2_0, Q2_0_128):
+        _, block, size = _OWN_TYPES[t]
+        if ne[0] % block == 0:
+            layouts.append((t, n_elements // block * size))
+    fits = [t for t, nbytes in layouts if nbytes <= span <= _padded(nbytes, alignment)]
+    if len(fits) == 1:
+        return fits[0]
+    sizes = " or ".join(f"{nbytes} bytes in blocks of {_OWN_TYPES[t][1]}" for t, nbytes in layouts)
+    if fits:
+        raise fail(
+            f"tensor {name!r}: Q2_0 (type 42) is ambiguous: its {span} bytes in the file fit "
+            f"both block layouts ({sizes}, padded to {alignment} bytes)"
+        )
+    raise fail(
+        f"tensor {name!r}: Q2_0 (type 42) data of {span} bytes (up to the next tensor or the "
+        f"end of the file) fits no block layout ({sizes}, padded to {alignment} bytes); the "
+        "file is truncated or corrupt"
+    )
 
 
 def _check_tensor(
@@ -416,26 +486,29 @@ def _check_tensor(
     rel: int,
     data_offset: int,
     alignment: int,
+    span_end: int,
 ) -> TensorInfo:
-    try:
-        qtype = GGMLQuantizationType(ggml_type)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-    except (ValueError, KeyError):
-        raise fail(f"tensor {name!r}: unknown GGML type {ggml_type}") from None
+    geometry = _geometry(ggml_type)
+    if geometry is None:
+        raise fail(f"tensor {name!r}: unknown GGML type {ggml_type}")
     n_elements = 1
     for d in ne:
         n_elements *= d
     if n_elements >= 1 << 62:
         raise fail(f"tensor {name!r}: element count overflows ({ne})")
-    if ne[0] % block:
+    if ne[0] % geometry[1]:
         raise fail(
             f"tensor {name!r}: row length {ne[0]} is not a multiple of the "
-            f"{qtype.name} block size {block}"
+            f"{geometry[0]} block size {geometry[1]}"
         )
-    nbytes = n_elements // block * type_size
     if rel % alignment:
         raise fail(f"tensor {name!r}: data offset {rel} is not {alignment}-byte aligned")
     start = data_offset + rel
+    if ggml_type == Q2_0 and 0 <= start <= file_size:  # else refused below as it stands
+        ggml_type = _q2_0_layout(fail, name, ne, n_elements, span_end - start, alignment)
+        geometry = _OWN_TYPES[ggml_type]
+    _, block, type_size = geometry
+    nbytes = n_elements // block * type_size
     if start < 0 or start + nbytes > file_size:
         raise fail(
             f"tensor {name!r}: data [{start}, {start + nbytes}) lies beyond the end of the "

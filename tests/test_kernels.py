@@ -14,6 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from lmserve_core import native
 from lmserve_core.native import kernels as K
+from lmserve_core.testing import q2_0
 
 pytestmark = pytest.mark.usefixtures("restore_isa")
 
@@ -22,6 +23,8 @@ ALL_TYPES = list(QT)
 K_TYPES = {QT.Q4_K, QT.Q5_K, QT.Q6_K}
 # byte offsets of the f16 scale fields of the K-quant blocks built from random bytes
 K_SCALE_FIELDS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+# the two layouts of GGML type 42, which the gguf package does not know (tests/test_q2_0.py)
+Q2_TYPES = {QT.Q2_0, QT.Q2_0_128}
 
 
 # ------------------------------------------------------------------ helpers
@@ -29,6 +32,8 @@ def make_rows(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.n
     """Random weights of ``qtype``: (rows, row_bytes) uint8."""
     if qtype == QT.F32:
         return rng.standard_normal((rows, cols), dtype=np.float32).view(np.uint8)
+    if qtype in Q2_TYPES:
+        return q2_0.random_blocks(rng, int(qtype), rows, cols)
     if qtype in K_TYPES:
         # gguf-py cannot quantize K-types: random bytes give random quants, scales and mins;
         # only the f16 super-block scales must be sane numbers.
@@ -46,6 +51,8 @@ def reference(qtype: QT, raw: np.ndarray, cols: int) -> np.ndarray:
     """gguf-py's numpy dequantization as (rows, cols) float32."""
     if qtype == QT.F32:
         return raw.view(np.float32).reshape(-1, cols)
+    if qtype in Q2_TYPES:
+        return q2_0.decode(raw, int(qtype)).reshape(-1, cols)
     out = dequantize(raw, gguf.GGMLQuantizationType(int(qtype)))
     return np.asarray(out, dtype=np.float32).reshape(-1, cols)
 
@@ -91,7 +98,10 @@ def require(isa: K.Isa) -> None:
 # ------------------------------------------------------------------ geometry
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_block_geometry_matches_ggml(qtype: QT) -> None:
-    elems, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(qtype))]
+    if qtype in Q2_TYPES:
+        elems, nbytes = q2_0.block(int(qtype))
+    else:
+        elems, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(qtype))]
     assert K.block_elems(qtype) == elems
     assert K.block_bytes(qtype) == nbytes
     assert K.row_bytes(qtype, 4 * elems) == 4 * nbytes
@@ -317,7 +327,7 @@ BLOCK_TYPES = [t for t in ALL_TYPES if K.block_elems(t) > 1]
 def wide_cols(qtype: QT) -> int:
     """A row of more than 64 groups of 32 whose count is not a multiple of 8 where the block
     allows it: the SIMD products prepare group factors 64 groups at a time, 8 per vector."""
-    return 2304 if K.block_elems(qtype) == 256 else 2336
+    return {256: 2304, 128: 2432, 64: 2368}.get(K.block_elems(qtype), 2336)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["1024", "wide"])
@@ -374,7 +384,11 @@ def test_vec_dot_i16_refuses_element_types() -> None:
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["512", "wide"])
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype",
+    [QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q2_0, QT.Q2_0_128],
+    ids=lambda t: t.name,
+)
 def test_i16_rows_do_not_depend_on_the_batch_or_the_threads(qtype: QT, wide: bool, rng) -> None:
     """A token's products are the same alone, in a batch of any size or at any thread count
     (what lets a batched decode give the outputs of sequential ones)."""

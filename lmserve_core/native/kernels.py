@@ -26,7 +26,10 @@ def _c_enum(name: str, c_enum: str, prefix: str) -> Any:
 
 
 QuantType = _c_enum("QuantType", "enum lm_type", "LM_")
-QuantType.__doc__ = "Tensor types the kernels handle; values are GGML's type ids (lm_type)."
+QuantType.__doc__ = (
+    "Tensor types the kernels handle; values are GGML's type ids (lm_type), but for Q2_0_128: "
+    "lmserve's id of the 128-element layout of GGML type 42 (Q2_0 is its 64-element one)."
+)
 Interleaved = _c_enum("Interleaved", "enum lm_r16_type", "LM_")
 Interleaved.__doc__ = (
     "Layouts the kit rewrites Q4_0, Q4_1 and Q8_0 matrices into (lm_r16_type): the same bytes, "
@@ -52,7 +55,8 @@ DECODE_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
 #: checks its thresholds against it): speculative verification stays within it.
 DECODE_MAX_ROWS: int = int(lib.LM_DECODE_MAX_ROWS)
 
-#: Every GGML type id a weight matrix may have: what families accept for their matrices.
+#: Every type id a weight matrix may have (GGML's, and Q2_0_128 for the type-42 tensors that
+#: ``gguf_file`` finds in that layout): what families accept for their matrices.
 MATRIX_TYPES: tuple[int, ...] = tuple(int(t) for t in QuantType)
 #: Matrices the kit keeps in another layout holding exactly the same values, because decode's
 #: products read it faster: Q5_0's 5-bit integers widened to Q8_0's bytes (about half the

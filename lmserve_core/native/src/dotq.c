@@ -4,7 +4,7 @@
  * integer sums. The portable kernels here are the reference every SIMD path must agree with.
  *
  * For a group of 32 weights w = f * q + m (q the block's integers, f its scale, m its offset:
- * 0 for Q4_0 / Q5_0 / Q8_0 / Q6_K, the min otherwise) and activations x ~= d * xq:
+ * 0 for Q4_0 / Q5_0 / Q8_0 / Q6_K / Q2_0, the min otherwise) and activations x ~= d * xq:
  *     sum w * x  ~=  f * d * sum(q * xq) + m * sum(x)
  * The integer sum is exact; sum(x) is the group's f32 sum. Q6_K has a scale per 16 weights.
  */
@@ -171,6 +171,24 @@ static void p_ints_q6_K(const block_q6_K *b, int g, const float *s, int q[32], f
     f[0] = s[8 * n + 2 * gg];
     f[1] = s[8 * n + 2 * gg + 1];
     *m = 0.0f;
+}
+
+/* Q2_0 / Q2_0_128: group g is the codes of bytes qs[8 g .. 8 g + 8), each minus 1. */
+static void p_ints_q2(const uint8_t *qs, int g, const float *s, int q[32], float f[2],
+                      float *m) {
+    for (int i = 0; i < 32; i++) q[i] = lm_q2_code(qs, 32 * g + i) - 1;
+    f[0] = f[1] = s[0];
+    *m = 0.0f;
+}
+
+static void p_ints_q2_0(const block_q2_0 *b, int g, const float *s, int q[32], float f[2],
+                        float *m) {
+    p_ints_q2(b->qs, g, s, q, f, m);
+}
+
+static void p_ints_q2_0_128(const block_q2_0_128 *b, int g, const float *s, int q[32],
+                            float f[2], float *m) {
+    p_ints_q2(b->qs, g, s, q, f, m);
 }
 
 #define DEF_DOTQ_PORTABLE(name, type, blk, qk)                                                     \

@@ -18,9 +18,12 @@
 #define LM_HAVE_X86 0
 #endif
 
-#define LM_NTYPES 73 /* type ids are < 73: GGML's (< 31) and lm_r16_type's (64 + GGML's) */
+/* type ids are < 143: GGML's (< 43), lm_r16_type's (64 + GGML's) and LM_Q2_0_128 (142) */
+#define LM_NTYPES 143
 #define QK 32        /* elements of a legacy block */
 #define QKK 256      /* elements of a K-quant super-block */
+#define QK2 64       /* elements of a Q2_0 block */
+#define QK2L 128     /* elements of a Q2_0_128 block */
 
 /* X-macros over the encodings every kernel table covers, so each ISA file instantiates and
  * registers its kernels from one list. X(name, type id, block struct, elements per block) */
@@ -32,7 +35,9 @@
     X(q8_0, LM_Q8_0, block_q8_0, QK)                                                               \
     X(q4_K, LM_Q4_K, block_q4_K, QKK)                                                              \
     X(q5_K, LM_Q5_K, block_q5_K, QKK)                                                              \
-    X(q6_K, LM_Q6_K, block_q6_K, QKK)
+    X(q6_K, LM_Q6_K, block_q6_K, QKK)                                                              \
+    X(q2_0, LM_Q2_0, block_q2_0, QK2)                                                              \
+    X(q2_0_128, LM_Q2_0_128, block_q2_0_128, QK2L)
 /* X(name, type id) of the plain element encodings. */
 #define LM_ELEM_TYPES(X) X(f32, LM_F32) X(f16, LM_F16) X(bf16, LM_BF16)
 
@@ -90,6 +95,19 @@ typedef struct {
     lm_half d;
 } block_q6_K; /* 210 bytes */
 
+/* 2-bit codes, element j at bits 2 (j % 4) of qs[j / 4]; value (code - 1) * d. Q2_0 is
+ * llama.cpp's block_q2_0; Q2_0_128 the same codes in blocks of 128 (PrismML's first
+ * block_q2_0; its code order is taken from public notes on that fork, lmserve/types.h). */
+typedef struct {
+    lm_half d;
+    uint8_t qs[QK2 / 4];
+} block_q2_0; /* 18 bytes */
+
+typedef struct {
+    lm_half d;
+    uint8_t qs[QK2L / 4];
+} block_q2_0_128; /* 34 bytes */
+
 _Static_assert(sizeof(block_q4_0) == 18, "q4_0");
 _Static_assert(sizeof(block_q4_1) == 20, "q4_1");
 _Static_assert(sizeof(block_q5_0) == 22, "q5_0");
@@ -98,6 +116,8 @@ _Static_assert(sizeof(block_q8_0) == 34, "q8_0");
 _Static_assert(sizeof(block_q4_K) == 144, "q4_K");
 _Static_assert(sizeof(block_q5_K) == 176, "q5_K");
 _Static_assert(sizeof(block_q6_K) == 210, "q6_K");
+_Static_assert(sizeof(block_q2_0) == 18, "q2_0");
+_Static_assert(sizeof(block_q2_0_128) == 34, "q2_0_128");
 
 /* ------------------------------------------------------------------ interleaved layouts
  * One block column of 16 rows (enum lm_r16_type): the rows' scales (and mins), then their
@@ -241,7 +261,7 @@ static inline void lm_scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t
 
 /* ------------------------------------------------------------------ block scales as floats
  * s[] receives what a block's groups are multiplied by: 32-blocks {d, m} (m = -8d, -16d for
- * Q4_0, Q5_0); Q4_K/Q5_K
+ * Q4_0, Q5_0); Q2_0 and Q2_0_128 {d}; Q4_K/Q5_K
  * s[g] = d * scale_g and s[8 + g] = dmin * min_g; Q6_K s[i] = d * scales[i]. */
 /* All eight 6-bit scales then all eight mins of a Q4_K/Q5_K super-block, as bytes u[0..15]
  * (the lm_scale_min_k4 unpacking done four bytes at a time). */
@@ -286,6 +306,19 @@ static inline void lm_scales_q5_1(const block_q5_1 *b, float *s) {
 
 static inline void lm_scales_q8_0(const block_q8_0 *b, float *s) {
     s[0] = lm_f16(&b->d);
+}
+
+static inline void lm_scales_q2_0(const block_q2_0 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+}
+
+static inline void lm_scales_q2_0_128(const block_q2_0_128 *b, float *s) {
+    s[0] = lm_f16(&b->d);
+}
+
+/* The 2-bit code of element j of a Q2_0 / Q2_0_128 block's qs. */
+static inline int lm_q2_code(const uint8_t *qs, int j) {
+    return (qs[j / 4] >> (2 * (j % 4))) & 3;
 }
 
 static inline void lm_scales_q4_K(const block_q4_K *b, float *s) {

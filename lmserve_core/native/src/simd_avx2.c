@@ -210,6 +210,49 @@ T256 static inline void y_dec_q6_K(const block_q6_K *b, int g, const float *s, _
     w[3] = _mm256_mul_ps(d1, w[3]);
 }
 
+/* Q2_0 / Q2_0_128: the 32 codes of a group (the 8 bytes at p), element i in byte i of lo
+ * (i < 16) or of hi (i - 16): the four 2-bit fields of every byte split apart, then
+ * interleaved back into element order (byte k holds elements 4k .. 4k + 3). */
+T256 static inline void y_q2_codes(const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p), m3 = _mm_set1_epi8(3);
+    const __m128i c0 = _mm_and_si128(v, m3);
+    const __m128i c1 = _mm_and_si128(_mm_srli_epi16(v, 2), m3);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), m3);
+    const __m128i c3 = _mm_and_si128(_mm_srli_epi16(v, 6), m3);
+    const __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpacklo_epi8(c2, c3);
+    *lo = _mm_unpacklo_epi16(a, b);
+    *hi = _mm_unpackhi_epi16(a, b);
+}
+
+/* the group's signed integers, code - 1 (-1 .. 2) */
+T256 static inline void y_q2_ints8(const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const __m128i one = _mm_set1_epi8(1);
+    y_q2_codes(p, lo, hi);
+    *lo = _mm_sub_epi8(*lo, one);
+    *hi = _mm_sub_epi8(*hi, one);
+}
+
+T256 static inline void y_raw_q2(const uint8_t *p, __m256 w[4]) {
+    __m128i lo, hi;
+    y_q2_ints8(p, &lo, &hi);
+    y_i8x16_ps(lo, w);
+    y_i8x16_ps(hi, w + 2);
+}
+
+T256 static inline void y_dec_q2_0(const block_q2_0 *b, int g, const float *s, __m256 w[4],
+                                   int fused) {
+    (void)fused;
+    y_raw_q2(b->qs + 8 * g, w);
+    y_scale4(w, s[0]);
+}
+
+T256 static inline void y_dec_q2_0_128(const block_q2_0_128 *b, int g, const float *s,
+                                       __m256 w[4], int fused) {
+    (void)fused;
+    y_raw_q2(b->qs + 8 * g, w);
+    y_scale4(w, s[0]);
+}
+
 /* K-quant scales: unpack, then widen and scale all sixteen at once. */
 T256 static inline void y_scales_kq(const uint8_t *scales, float d, float dmin, float *s) {
     uint8_t u[16];
@@ -240,6 +283,8 @@ T256 static inline void y_scales_q6_K(const block_q6_K *b, float *s) {
 #define y_scales_q5_0 lm_scales_q5_0
 #define y_scales_q5_1 lm_scales_q5_1
 #define y_scales_q8_0 lm_scales_q8_0
+#define y_scales_q2_0 lm_scales_q2_0
+#define y_scales_q2_0_128 lm_scales_q2_0_128
 
 /* y_grp_<type>(b, g, s, w): group g's 32 values into w[0..3], returning the factor they still
  * need. The scale-only encodings hand over their integers and the block scale, so a dot
@@ -261,6 +306,17 @@ T256 static inline float y_grp_q5_0(const block_q5_0 *b, int g, const float *s, 
 T256 static inline float y_grp_q8_0(const block_q8_0 *b, int g, const float *s, __m256 w[4]) {
     (void)g;
     y_raw_q8_0(b, w);
+    return s[0];
+}
+
+T256 static inline float y_grp_q2_0(const block_q2_0 *b, int g, const float *s, __m256 w[4]) {
+    y_raw_q2(b->qs + 8 * g, w);
+    return s[0];
+}
+
+T256 static inline float y_grp_q2_0_128(const block_q2_0_128 *b, int g, const float *s,
+                                        __m256 w[4]) {
+    y_raw_q2(b->qs + 8 * g, w);
     return s[0];
 }
 
@@ -978,6 +1034,13 @@ T256 static inline void y_ints_q6_K(const block_q6_K *b, int g, __m256i w[2]) {
     y_ints_i8(y_lo128(q), y_hi128(q), w);
 }
 
+/* Q2_0 / Q2_0_128: group g is the codes of qs[8 g .. 8 g + 8), minus 1 */
+T256 static inline void y_ints_q2(const uint8_t *p, __m256i w[2]) {
+    __m128i lo, hi;
+    y_q2_ints8(p, &lo, &hi);
+    y_ints_i8(lo, hi, w);
+}
+
 /* How a type's group factors apply: 0 one scale; 1 a scale and an offset; 2 a scale per
  * sixteen (Q6_K). */
 #define Y_FAC_q4_0 0
@@ -1140,6 +1203,41 @@ T256 static inline __attribute__((always_inline)) void y_fold8(const float *ds, 
         }                                                                                          \
     }
 
+/* Q2_0 / Q2_0_128: one scale per block of 2 or 4 groups; per token and group, two madd, one
+ * add, one convert and one FMA by the block's scale times the group's step. */
+#define DEF_DOTQ_Q2(name, blk, qk)                                                                 \
+    T256 static inline __attribute__((always_inline)) void y_dotq_body_##name(                     \
+        const blk *b, const lm_xq *x, int64_t t0, const int NT, float *out, int64_t ldo) {         \
+        const int64_t n = x->n, nb = n / (qk);                                                     \
+        __m256 acc[LM_DOTQ_TOKENS];                                                                \
+        const int16_t *xq[LM_DOTQ_TOKENS];                                                         \
+        const float *ds[LM_DOTQ_TOKENS];                                                           \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            acc[t] = _mm256_setzero_ps();                                                          \
+            xq[t] = x->q + (t0 + t) * n;                                                           \
+            ds[t] = x->ds + (t0 + t) * (n / 16);                                                   \
+        }                                                                                          \
+        for (int64_t i = 0; i < nb; i++) {                                                         \
+            const float d = lm_f16(&b[i].d);                                                       \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                const int64_t G = i * ((qk) / 32) + g;                                             \
+                __m256i w[2];                                                                      \
+                y_ints_q2(b[i].qs + 8 * g, w);                                                     \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
+                    const __m256i *xg = (const __m256i *)(xq[t] + 32 * G);                        \
+                    const __m256i sg =                                                             \
+                        _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xg)),          \
+                                         _mm256_madd_epi16(w[1], _mm256_loadu_si256(xg + 1)));     \
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sg),                               \
+                                             _mm256_set1_ps(d * ds[t][2 * G]), acc[t]);            \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            out[t * ldo] = y_hsum(acc[t]);                                                         \
+        }                                                                                          \
+    }
+
 #define DEF_DOTQ_ENTRY(name, blk)                                                                  \
     T256 static void y_dotq_##name(const void *row, const lm_xq *x, int64_t t0, int nt,            \
                                    float *out, int64_t ldo) {                                      \
@@ -1156,7 +1254,8 @@ T256 static inline __attribute__((always_inline)) void y_fold8(const float *ds, 
         }                                                                                          \
     }
 #define DEF_DOTQ_KERNELS(name, type, blk, qk)                                                      \
-    _Static_assert((qk) == 32 || (qk) == 256, "integer products of an unknown block size");        \
+    _Static_assert((qk) == 32 || (qk) == 256 || (qk) == QK2 || (qk) == QK2L,                       \
+                   "integer products of an unknown block size");                                   \
     DEF_DOTQ_ENTRY(name, blk)
 DEF_DOTQ_32(q4_0, block_q4_0)
 DEF_DOTQ_32(q4_1, block_q4_1)
@@ -1166,11 +1265,14 @@ DEF_DOTQ_32(q8_0, block_q8_0)
 DEF_DOTQ_KQ(q4_K, block_q4_K)
 DEF_DOTQ_KQ(q5_K, block_q5_K)
 DEF_DOTQ_KQ(q6_K, block_q6_K)
+DEF_DOTQ_Q2(q2_0, block_q2_0, QK2)
+DEF_DOTQ_Q2(q2_0_128, block_q2_0_128, QK2L)
 LM_BLOCK_TYPES(DEF_DOTQ_KERNELS)
 #undef DEF_DOTQ_KERNELS
 #undef DEF_DOTQ_ENTRY
 #undef DEF_DOTQ_32
 #undef DEF_DOTQ_KQ
+#undef DEF_DOTQ_Q2
 
 /* ------------------------------------------------------------------ GEMM micro-kernel
  * 16 weight rows (two vectors) x 6 tokens (broadcasts): 12 accumulators of 16 registers. */
@@ -1252,6 +1354,8 @@ void lm_kernels_avx2(lm_kernels *k) {
 #undef y_scales_q5_0
 #undef y_scales_q5_1
 #undef y_scales_q8_0
+#undef y_scales_q2_0
+#undef y_scales_q2_0_128
 #undef AFFINE
 #undef AFFINE_SUB
 #undef DEF_BLOCK_KERNELS

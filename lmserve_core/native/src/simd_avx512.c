@@ -176,6 +176,28 @@ T512 static inline void z_dec_q6_K(const block_q6_K *b, int g, const float *s, _
     w[1] = _mm512_mul_ps(_mm512_set1_ps(sc[1]), z_i8_ps(z_hi128(q)));
 }
 
+/* Q2_0 / Q2_0_128: group g is the codes of qs[8 g .. 8 g + 8), minus 1 (y_q2_ints8), times
+ * the block scale: exact, so fused or not gives the portable decoder's bits. */
+T512 static inline void z_dec_q2(const uint8_t *qs, int g, float d, __m512 w[2]) {
+    __m128i lo, hi;
+    y_q2_ints8(qs + 8 * g, &lo, &hi);
+    const __m512 vd = _mm512_set1_ps(d);
+    w[0] = _mm512_mul_ps(z_i8_ps(lo), vd);
+    w[1] = _mm512_mul_ps(z_i8_ps(hi), vd);
+}
+
+T512 static inline void z_dec_q2_0(const block_q2_0 *b, int g, const float *s, __m512 w[2],
+                                   int fused) {
+    (void)fused;
+    z_dec_q2(b->qs, g, s[0], w);
+}
+
+T512 static inline void z_dec_q2_0_128(const block_q2_0_128 *b, int g, const float *s,
+                                       __m512 w[2], int fused) {
+    (void)fused;
+    z_dec_q2(b->qs, g, s[0], w);
+}
+
 /* K-quant scales: unpack, then widen and scale all sixteen at once. */
 T512 static inline void z_scales_kq(const uint8_t *scales, float d, float dmin, float *s) {
     uint8_t u[16];
@@ -204,6 +226,8 @@ T512 static inline void z_scales_q6_K(const block_q6_K *b, float *s) {
 #define z_scales_q5_0 lm_scales_q5_0
 #define z_scales_q5_1 lm_scales_q5_1
 #define z_scales_q8_0 lm_scales_q8_0
+#define z_scales_q2_0 lm_scales_q2_0
+#define z_scales_q2_0_128 lm_scales_q2_0_128
 
 /* dot and dequantize over whole blocks of `qk` elements made of qk/32 groups */
 #define DEF_BLOCK_KERNELS(name, blk, qk)                                                           \
@@ -848,6 +872,58 @@ DEF_ZDOTQ_32(q5_1, block_q5_1)
 DEF_ZDOTQ_32(q8_0, block_q8_0)
 #undef DEF_ZDOTQ_32
 
+/* ------------------------------------------------------------------ int16 products, Q2_0
+ * A group's 32 integers (code - 1) widened to one vector of int16; per token, one madd of
+ * the group's int16 activations, one convert and one FMA by the block scale times the
+ * group's step (AVX-512 BW; x's groups read in order). */
+#define DEF_ZDOTQ_Q2(name, blk, qk)                                                                \
+    T512 static inline __attribute__((always_inline)) void z_dotq_body_##name(                     \
+        const blk *b, const lm_xq *x, int64_t t0, const int NT, float *out, int64_t ldo) {         \
+        const int64_t n = x->n, nb = n / (qk);                                                     \
+        __m512 acc[LM_DOTQ_TOKENS];                                                                \
+        const int16_t *xq[LM_DOTQ_TOKENS];                                                         \
+        const float *ds[LM_DOTQ_TOKENS];                                                           \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            acc[t] = _mm512_setzero_ps();                                                          \
+            xq[t] = x->q + (t0 + t) * n;                                                           \
+            ds[t] = x->ds + (t0 + t) * (n / 16);                                                   \
+        }                                                                                          \
+        for (int64_t i = 0; i < nb; i++) {                                                         \
+            const float d = lm_f16(&b[i].d);                                                       \
+            for (int g = 0; g < (qk) / 32; g++) {                                                  \
+                const int64_t G = i * ((qk) / 32) + g;                                             \
+                __m128i lo, hi;                                                                    \
+                y_q2_ints8(b[i].qs + 8 * g, &lo, &hi);                                             \
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo));                  \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                             \
+                    const __m512i sg = _mm512_madd_epi16(w, _mm512_loadu_si512(xq[t] + 32 * G));   \
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sg),                               \
+                                             _mm512_set1_ps(d * ds[t][2 * G]), acc[t]);            \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                     \
+            out[t * ldo] = _mm512_reduce_add_ps(acc[t]);                                           \
+        }                                                                                          \
+    }                                                                                              \
+    T512 static void z_dotq_##name(const void *row, const lm_xq *x, int64_t t0, int nt,            \
+                                   float *out, int64_t ldo) {                                      \
+        const blk *b = row;                                                                        \
+        switch (nt) {                                                                              \
+        case 1: z_dotq_body_##name(b, x, t0, 1, out, ldo); break;                                  \
+        case 2: z_dotq_body_##name(b, x, t0, 2, out, ldo); break;                                  \
+        case 3: z_dotq_body_##name(b, x, t0, 3, out, ldo); break;                                  \
+        case 4: z_dotq_body_##name(b, x, t0, 4, out, ldo); break;                                  \
+        case 5: z_dotq_body_##name(b, x, t0, 5, out, ldo); break;                                  \
+        case 6: z_dotq_body_##name(b, x, t0, 6, out, ldo); break;                                  \
+        case 7: z_dotq_body_##name(b, x, t0, 7, out, ldo); break;                                  \
+        default: z_dotq_body_##name(b, x, t0, 8, out, ldo); break;                                 \
+        }                                                                                          \
+    }
+DEF_ZDOTQ_Q2(q2_0, block_q2_0, QK2)
+DEF_ZDOTQ_Q2(q2_0_128, block_q2_0_128, QK2L)
+#undef DEF_ZDOTQ_Q2
+
 /* With VNNI, the products of the blocks of 32 read x's quads; the super-blocks keep the AVX2
  * kernels, which read x's groups in order. */
 static void z_install_vnni(lm_kernels *k) {
@@ -882,6 +958,8 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->pv_sum_n = z_pv_sum_n;
     k->silu_mul = z_silu_mul;
     k->gelu_mul = z_gelu_mul;
+    k->dotq[LM_Q2_0] = z_dotq_q2_0;
+    k->dotq[LM_Q2_0_128] = z_dotq_q2_0_128;
     if (__builtin_cpu_supports("avx512vnni")) z_install_vnni(k);
 }
 #undef T512
@@ -892,6 +970,8 @@ void lm_kernels_avx512(lm_kernels *k) {
 #undef z_scales_q5_0
 #undef z_scales_q5_1
 #undef z_scales_q8_0
+#undef z_scales_q2_0
+#undef z_scales_q2_0_128
 #undef AFFINE
 #undef AFFINE_SUB
 #undef Z_MR

@@ -26,6 +26,10 @@ int64_t lm_type_block_elems(int type) {
     case LM_Q5_K:
     case LM_Q6_K:
         return QKK;
+    case LM_Q2_0:
+        return QK2;
+    case LM_Q2_0_128:
+        return QK2L;
     default:
         return 0;
     }
@@ -57,6 +61,10 @@ int64_t lm_type_block_bytes(int type) {
         return sizeof(block_q5_K);
     case LM_Q6_K:
         return sizeof(block_q6_K);
+    case LM_Q2_0:
+        return sizeof(block_q2_0);
+    case LM_Q2_0_128:
+        return sizeof(block_q2_0_128);
     default:
         return 0;
     }
@@ -206,6 +214,21 @@ static void p_deq_block_q6_K(const block_q6_K *b, float *y) {
         ql += 64;
         qh += 32;
         sc += 8;
+    }
+}
+
+/* (code - 1) * d, as llama.cpp's dequantize_row_q2_0: exact (a product by -1, 0, 1 or 2) */
+static void p_deq_block_q2_0(const block_q2_0 *b, float *y) {
+    const float d = lm_f16(&b->d);
+    for (int j = 0; j < QK2; j++) {
+        y[j] = (float)(lm_q2_code(b->qs, j) - 1) * d;
+    }
+}
+
+static void p_deq_block_q2_0_128(const block_q2_0_128 *b, float *y) {
+    const float d = lm_f16(&b->d);
+    for (int j = 0; j < QK2L; j++) {
+        y[j] = (float)(lm_q2_code(b->qs, j) - 1) * d;
     }
 }
 

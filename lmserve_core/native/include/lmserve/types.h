@@ -30,7 +30,8 @@ enum lm_status {
 };
 
 /* ------------------------------------------------------------------ tensor types
- * Values are GGML's type ids, so a GGUF tensor's type passes through unchanged. */
+ * Values are GGML's type ids, so a GGUF tensor's type passes through unchanged; one
+ * exception, LM_Q2_0_128 (below). */
 enum lm_type {
     LM_F32 = 0,
     LM_F16 = 1,
@@ -42,7 +43,15 @@ enum lm_type {
     LM_Q4_K = 12,
     LM_Q5_K = 13,
     LM_Q6_K = 14,
-    LM_BF16 = 30
+    LM_BF16 = 30,
+    /* 2-bit codes c (element j of a block at bits 2 (j % 4) of byte j / 4), value (c - 1) d:
+     * -1, 0, +1, +2 times the block's f16 scale d. Q2_0 is llama.cpp's: 64 elements, 18
+     * bytes. Q2_0_128 holds 128 elements in 34 bytes, the same codes: the layout of the
+     * Ternary-Bonsai files PrismML published under GGML id 42 as well (the loader tells the
+     * two apart by the tensor's bytes in the file). Its id is lmserve's own, the one
+     * PrismML's llama.cpp later gave that layout; no GGML type has it. */
+    LM_Q2_0 = 42,
+    LM_Q2_0_128 = 142
 };
 
 /* Layouts lmserve rewrites matrices into (never a GGUF's type): the same blocks, 16 rows
