@@ -315,6 +315,35 @@ class _Environment(ImmutableSandboxedEnvironment):
 # -- conversation shaping ---------------------------------------------------------------------
 
 
+def _merge_leading_systems(
+    messages: Sequence[Mapping[str, Any]],
+) -> list[dict[str, Any]] | None:
+    """The conversation with its leading run of system messages made one, or None when it
+    does not open with two or more."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") == "system":
+        n += 1
+    if n < 2:
+        return None
+    texts = [_text_of(m.get("content")) for m in messages[:n]]
+    first = dict(messages[0])
+    first["content"] = "\n\n".join(t for t in texts if t)
+    return [first, *(dict(m) for m in messages[n:])]
+
+
+def _text_of(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(
+            str(part.get("text", "")) for part in content
+            if isinstance(part, Mapping) and part.get("type") in (None, "text", "input_text")
+        )
+    return str(content)
+
+
 def _prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     prepared: list[dict[str, Any]] = []
     for m in messages:
@@ -520,8 +549,26 @@ class ChatTemplate:
         """Render a conversation of OpenAI-shaped message dicts to prompt text.
 
         Raises :class:`~lmserve_core.errors.InvalidRequest` when the template calls
-        ``raise_exception`` and :class:`ChatTemplateError` when rendering fails.
+        ``raise_exception`` and :class:`ChatTemplateError` when rendering fails. A template
+        that refuses a conversation opening with several system messages (Qwen3.5's allows
+        one; a client's instructions and a developer message are two) gets them as one, their
+        texts joined by a blank line, as llama.cpp's server does.
         """
+        try:
+            return self._render(messages, tools, add_generation_prompt, template_kwargs)
+        except InvalidRequest:
+            merged = _merge_leading_systems(messages)
+            if merged is None:
+                raise
+            return self._render(merged, tools, add_generation_prompt, template_kwargs)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> str:
         context = dict(template_kwargs)
         context.update(
             messages=_prepare_messages(messages),

@@ -296,3 +296,25 @@ def test_syntax_error_at_load() -> None:
 def test_template_bugs_become_template_errors() -> None:
     with pytest.raises(ChatTemplateError, match="chat template failed"):
         ChatTemplate("{{ messages[0].content + 1 }}").render(SYSTEM_USER)
+
+
+def test_a_template_that_allows_one_system_message_gets_a_leading_run_as_one() -> None:
+    # Qwen3.5's template raises on a system message past the first; a client's instructions
+    # plus a developer message are two
+    source = (
+        "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+        "{{- raise_exception('System message must be at the beginning.') }}{%- endif %}"
+        "<{{ m.role }}>{{ m.content }}</{{ m.role }}>{%- endfor %}"
+    )
+    template = ChatTemplate(source)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": [{"type": "text", "text": "Use tools."}]},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert template.render(messages, add_generation_prompt=False) == (
+        "<system>Be brief.\n\nUse tools.</system><user>Hi</user>"
+    )
+    # a system message later in the conversation is still the template's to refuse
+    with pytest.raises(InvalidRequest, match="must be at the beginning"):
+        template.render([messages[2], messages[0]], add_generation_prompt=False)
