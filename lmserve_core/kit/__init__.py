@@ -4,7 +4,7 @@
   kit header ``lmserve/kit.h`` (weight table checks, caches, the forward call, status codes).
 - :class:`HParams` — ``{arch}.*`` metadata with clear errors for missing or absurd values.
 - :func:`rope_from_gguf` and friends — RoPE frequencies for every scaling scheme.
-- ``lmserve_core.native.family_ffibuilder`` (build time) — the cffi build of a family module.
+- ``lmserve_core.native.family_ffibuilder_for`` (build time) — the cffi build of a family module.
 
 A family is then its ``forward_chunk`` and weight table in C, plus its conventions
 (``lmserve_core.model.FamilyConventions``); ``docs/plugins.md`` walks through one.
