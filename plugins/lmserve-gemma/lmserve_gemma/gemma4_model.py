@@ -62,7 +62,7 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
         cfg.n_swa = c.n_swa
         cfg.rms_eps = c.rms_eps
         cfg.logit_softcap = c.logit_softcap
-        moe = any(layer.router.data != ffi.NULL for layer in layers)
+        moe = any(layer.ffn_gate_inp.data != ffi.NULL for layer in layers)
         self.build(lib.gemma4_build, cfg, w, n_used_experts=c.n_expert_used if moe else 0)
 
     def _rope(self, w: Any) -> None:
@@ -142,16 +142,16 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
             raise GGUFError(f"{self.gguf.path}: layer {il} has a router but "
                             f"{c.architecture}.expert_count is missing")
         d, e, ff = c.n_embd, c.n_expert, c.n_ff_exp[il]
-        self.matrix(layer.router, p + "ffn_gate_inp.weight", (e, d))
-        layer.router_scale = self.floats(p + "ffn_gate_inp.scale", (d,))
+        self.matrix(layer.ffn_gate_inp, p + "ffn_gate_inp.weight", (e, d))
+        layer.ffn_gate_inp_scale = self.floats(p + "ffn_gate_inp.scale", (d,))
         layer.pre_ffn_norm_2 = self.floats(p + "pre_ffw_norm_2.weight", (d,))
         layer.post_ffn_norm_1 = self.floats(p + "post_ffw_norm_1.weight", (d,))
         layer.post_ffn_norm_2 = self.floats(p + "post_ffw_norm_2.weight", (d,))
         if p + "ffn_gate_up_exps.weight" in self.gguf.tensors:
-            self.matrix(layer.gate_up_exps, p + "ffn_gate_up_exps.weight", (e, 2 * ff, d),
+            self.matrix(layer.ffn_gate_up_exps, p + "ffn_gate_up_exps.weight", (e, 2 * ff, d),
                         cuts=(ff,))
         else:
-            self.matrix(layer.gate_exps, p + "ffn_gate_exps.weight", (e, ff, d))
-            self.matrix(layer.up_exps, p + "ffn_up_exps.weight", (e, ff, d))
-        self.matrix(layer.down_exps, p + "ffn_down_exps.weight", (e, d, ff))
-        layer.down_exps_scale = self.optional_floats(p + "ffn_down_exps.scale", (e,))
+            self.matrix(layer.ffn_gate_exps, p + "ffn_gate_exps.weight", (e, ff, d))
+            self.matrix(layer.ffn_up_exps, p + "ffn_up_exps.weight", (e, ff, d))
+        self.matrix(layer.ffn_down_exps, p + "ffn_down_exps.weight", (e, d, ff))
+        layer.ffn_down_exps_scale = self.optional_floats(p + "ffn_down_exps.scale", (e,))
