@@ -13,8 +13,19 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
+from lmserve_core.backend import Capabilities, ServerSettings
 from lmserve_core.gguf_file import GGUFError, GGUFFile
-from lmserve_core.kit import HParams, base_inv_freq, llama3_inv_freq, rope_from_gguf, yarn_inv_freq
+from lmserve_core.kit import (
+    DecoderConfig,
+    HParams,
+    base_inv_freq,
+    experts_hparams,
+    llama3_inv_freq,
+    rope_from_gguf,
+    yarn_inv_freq,
+)
+from lmserve_core.kit.family import BackendSpec, Family
+from lmserve_core.model import FamilyConventions
 from lmserve_core.native import kernels as K
 from lmserve_core.testing.gguf_writer import add_arch_metadata
 
@@ -407,6 +418,45 @@ def test_hparams_read_and_reject(tmp_path: Path) -> None:
     ]:
         with pytest.raises(GGUFError, match=message):
             call()
+
+
+def test_served_and_experts_hparams(tmp_path: Path) -> None:
+    moe = write_meta(tmp_path / "moe.gguf", {"expert_count": 8, "expert_used_count": 2},
+                     arch="fammoe")
+    hp = HParams.served(moe, ("fam", "fammoe"), "fam")
+    assert experts_hparams(hp, moe=True, moe_architecture="fammoe") == {
+        "n_expert": 8, "n_expert_used": 2, "expert_weights_scale": 1.0,
+    }
+    with pytest.raises(GGUFError, match="architecture 'fammoe' is not served by the x family"):
+        HParams.served(moe, ("fam",), "x")
+    dense = HParams(write_meta(tmp_path / "dense.gguf", {"expert_count": 8}, arch="fam"))
+    with pytest.raises(GGUFError, match="a fam GGUF with experts: .* should be fammoe"):
+        experts_hparams(dense, moe=False, moe_architecture="fammoe")
+    empty = HParams(write_meta(tmp_path / "empty.gguf", {"expert_count": 0}, arch="fammoe"))
+    with pytest.raises(GGUFError, match="fammoe.expert_count must be at least 1"):
+        experts_hparams(empty, moe=True, moe_architecture="fammoe")
+
+
+def test_family_declares_its_backends(tmp_path: Path) -> None:
+    conventions = FamilyConventions(capabilities=Capabilities())
+    backends = [BackendSpec("fam", ("fam", "fammoe"), "a family")]
+    family = Family("fam", model={"fam": "lmserve_core.kit:NativeForwardModel",
+                                  "fammoe": "lmserve_core.kit:DecoderConfig"},
+                    conventions=conventions, backends=backends)
+    assert family.model_class("fammoe") is DecoderConfig
+    calls: list[tuple[Any, ...]] = []
+    family.register(lambda *args, **kwargs: calls.append((*args, kwargs)))
+    # one factory object, which a plugin module hands out as its own create_backend
+    assert calls == [("fam", family.create_backend,
+                      {"architectures": ("fam", "fammoe"), "description": "a family"})]
+    assert family.create_backend is family.create_backend
+    with pytest.raises(FileNotFoundError, match="lmserve --backend fam model.gguf"):
+        family.create_backend(None, ServerSettings())
+    other = write_meta(tmp_path / "other.gguf", {}, arch="other")
+    with pytest.raises(GGUFError, match=r"'other' is not served by the fam family \(fam, fammoe\)"):
+        family.create_backend(str(other.path), ServerSettings())
+    with pytest.raises(ValueError, match="no model class"):
+        Family("fam", model={"fam": "x:Y"}, conventions=conventions, backends=backends)
 
 
 # ---------------------------------------------------------------------------- rope

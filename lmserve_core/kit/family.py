@@ -2,11 +2,11 @@
 
 A family plugin's ``plugin.py`` declares its backends (names, the GGUF architectures each
 serves), which model class serves an architecture and which conventions a file gets, and
-hands the hooks :meth:`Family.register` and :meth:`Family.create_backend`::
+hands the hooks :meth:`Family.register` and :attr:`Family.create_backend`::
 
     FAMILY = Family(
         "qwen3",
-        model=lambda arch: importlib.import_module("lmserve_qwen3.model").Qwen3Model,
+        model="lmserve_qwen3.model:Qwen3Model",
         conventions=CONVENTIONS,
         backends=[BackendSpec("qwen3", ("qwen3",), "Qwen3 GGUFs (dense)")],
     )
@@ -16,13 +16,14 @@ hands the hooks :meth:`Family.register` and :meth:`Family.create_backend`::
     def register_backends(register):
         FAMILY.register(register)
 
-The model class is looked up only when a backend is created, so listing the installed
+The model class is imported only when a backend is created, so listing the installed
 plugins never loads a family's native module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,18 @@ class BackendSpec:
 
 class Family:
     """A model family: its backends, the model class of each architecture and the
-    conventions of a file."""
+    conventions of a file.
+
+    ``model`` names the model class as ``"module:Class"``, or one per architecture;
+    ``conventions`` are the file's conventions, or a function of the opened file giving
+    them. :attr:`create_backend` is the factory every backend registers (one object, so a
+    plugin module can hand it out as its own)."""
 
     def __init__(
         self,
         name: str,
         *,
-        model: Callable[[str], Any],
+        model: str | Mapping[str, str],
         conventions: FamilyConventions | Callable[[GGUFFile], FamilyConventions],
         backends: Sequence[BackendSpec],
     ) -> None:
@@ -63,13 +69,22 @@ class Family:
         self._conventions = conventions
         self.backends = tuple(backends)
         self.architectures = tuple(a for spec in self.backends for a in spec.architectures)
+        if not isinstance(model, str) and set(model) != set(self.architectures):
+            raise ValueError(f"the {name} family names no model class for some architecture")
+        self.create_backend: Callable[[str | None, ServerSettings], Any] = self._create_backend
+
+    def model_class(self, architecture: str) -> Any:
+        """The model class of an architecture (its module imported now)."""
+        path = self._model if isinstance(self._model, str) else self._model[architecture]
+        module, _, attr = path.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
     def conventions(self, gguf: GGUFFile) -> FamilyConventions:
         """The conventions a file gets (its chat template may choose them)."""
         c = self._conventions
         return c if isinstance(c, FamilyConventions) else c(gguf)
 
-    def create_backend(self, model_path: str | None, settings: ServerSettings) -> Any:
+    def _create_backend(self, model_path: str | None, settings: ServerSettings) -> Any:
         """Open the GGUF, build the forward pass of its architecture and wrap it in the
         generic chat path."""
         from lmserve_core.gguf_chat import GGUFChatBackend
@@ -91,7 +106,7 @@ class Family:
                     f"architecture {arch!r} is not served by the {self.name} family "
                     f"({', '.join(self.architectures)})"
                 )
-            model = self._model(arch).load(
+            model = self.model_class(arch).load(
                 gguf, n_threads=settings.threads, kv_type=settings.kv_type
             )
             conventions = self.conventions(gguf)

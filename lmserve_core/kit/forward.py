@@ -2,8 +2,10 @@
 
 A family subclasses it with its cffi module (``ffi``, ``lib``) and config class, and writes
 :meth:`~NativeForwardModel.setup`: fill the C weight table from the GGUF with :meth:`matrix`
-and :meth:`floats` (each tensor checked for type and shape before a pointer reaches C), then
-hand config and table to the C build function with :meth:`build`. Everything else a
+and :meth:`floats` (each tensor checked for type and shape before a pointer reaches C), or
+for the tensors most decoders name alike with :meth:`weight_table`, :meth:`attention_tensors`,
+:meth:`mlp_tensors` and :meth:`moe_tensors`, then hand config and table to the C build
+function with :meth:`build`. Everything else a
 ``ForwardModel`` does — caches, the forward pass, prefix copies, routing traces, status codes
 turned into exceptions — happens here, over the core's compiled kernels.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -449,9 +451,33 @@ class NativeForwardModel:
 
     def dims(self, field: Any) -> None:
         """Fill an ``lm_dims`` field from the config (a :class:`DecoderConfig`)."""
-        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_ff", "n_vocab",
-                     "rms_eps"):
-            setattr(field, name, getattr(self.config, name))
+        self.config_fields(field, "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_ff",
+                           "n_vocab", "rms_eps")
+
+    def config_fields(self, struct: Any, *names: str) -> Any:
+        """Set each named field of a C struct to the config's attribute of that name;
+        returns the struct."""
+        for name in names:
+            setattr(struct, name, getattr(self.config, name))
+        return struct
+
+    def weight_table(
+        self, ctype: str, layer_ctype: str, fill: Callable[[Any, int, str], None]
+    ) -> Any:
+        """A ``ctype`` weight table (kept with the model): its ``layers`` (:meth:`layer_table`
+        of ``layer_ctype``) and the decoder's input and output tensors (:meth:`io_tensors`)."""
+        w = self.keep(self.ffi.new(f"{ctype} *"))
+        w.layers = self.layer_table(layer_ctype, fill)
+        self.io_tensors(w)
+        return w
+
+    def layer_table(self, ctype: str, fill: Callable[[Any, int, str], None]) -> Any:
+        """A table of ``n_layer`` ``ctype`` structs (kept with the model), each filled by
+        ``fill(layer, i, "blk.{i}.")``."""
+        layers = self.keep(self.ffi.new(f"{ctype}[]", self.config.n_layer))
+        for i, layer in enumerate(layers):
+            fill(layer, i, f"blk.{i}.")
+        return layers
 
     def keep(self, obj: Any) -> Any:
         """Keep ``obj`` (a cffi buffer or array whose pointer C holds) alive with the model."""
@@ -472,6 +498,155 @@ class NativeForwardModel:
                 f"{self.gguf.path}: unsupported {what} variant: unexpected tensors "
                 f"{extra[:3]}{more}"
             )
+
+    # ------------------------------------------------------------------ standard tensors
+    # The tensors most decoders name alike (llama.cpp's names), each into the field of the
+    # family's struct the docstring names; ``fields`` maps such a name to the struct's own
+    # where they differ. ``p`` is the block's prefix ("blk.{i}.").
+
+    def io_tensors(self, w: Any, *, fields: Mapping[str, str] | None = None) -> None:
+        """``token_embd`` (n_vocab, n_embd), ``output_norm`` (n_embd) and ``output``
+        (n_vocab, n_embd): output.weight, or token_embd.weight when the file ties the
+        output to the embedding (no output.weight)."""
+        d, v = self.config.n_embd, self.n_vocab
+        self.matrix(_field(w, "token_embd", fields), "token_embd.weight", (v, d))
+        _set(w, "output_norm", fields, self.floats("output_norm.weight", (d,)))
+        tied = "output.weight" not in self.gguf.tensors
+        output = "token_embd.weight" if tied else "output.weight"
+        self.matrix(_field(w, "output", fields), output, (v, d))
+
+    def attention_tensors(
+        self,
+        layer: Any,
+        p: str,
+        *,
+        q_dim: int,
+        kv_dim: int,
+        head_dim: int = 0,
+        gated: bool = False,
+        biases: bool = False,
+        fused: bool = False,
+        kv: bool = True,
+        v_optional: bool = False,
+        post_norm: str | None = None,
+        fields: Mapping[str, str] | None = None,
+    ) -> None:
+        """The attention tensors of a block: ``attn_norm`` (n_embd); ``wq`` from attn_q
+        (q_dim, n_embd; with ``gated`` 2 q_dim, each head's query rows then its gate rows),
+        ``wk`` and ``wv`` from attn_k and attn_v (kv_dim, n_embd), ``wo`` from attn_output
+        (n_embd, q_dim).
+
+        - ``head_dim``: the per-head norms ``q_norm`` and ``k_norm`` (attn_q_norm,
+          attn_k_norm: head_dim).
+        - ``biases``: ``bq``, ``bk``, ``bv`` from attn_q/k/v.bias where the file has them.
+        - ``fused``: a file with attn_qkv (q_dim + 2 kv_dim, n_embd) gives ``wqkv`` instead
+          of wq, wk and wv (the C code cuts it after q and after k).
+        - ``kv=False``: a layer attending to another layer's cache reads no keys or values
+          of its own (attn_k, attn_v, attn_k_norm, when the file has them, are marked read).
+        - ``v_optional``: without attn_v, ``wv`` is left without data (the values are the
+          keys' projection).
+        - ``post_norm``: the name of a norm of the attention output, into ``post_attn_norm``.
+        """
+        d = self.config.n_embd
+        has = self.gguf.tensors.__contains__
+        _set(layer, "attn_norm", fields, self.floats(p + "attn_norm.weight", (d,)))
+        if fused and has(p + "attn_qkv.weight"):
+            self.matrix(_field(layer, "wqkv", fields), p + "attn_qkv.weight",
+                        (q_dim + 2 * kv_dim, d), cuts=(q_dim, q_dim + kv_dim))
+        else:
+            self.matrix(_field(layer, "wq", fields), p + "attn_q.weight",
+                        (2 * q_dim if gated else q_dim, d))
+            if kv:
+                self.matrix(_field(layer, "wk", fields), p + "attn_k.weight", (kv_dim, d))
+                if not v_optional or has(p + "attn_v.weight"):
+                    self.matrix(_field(layer, "wv", fields), p + "attn_v.weight", (kv_dim, d))
+        self.matrix(_field(layer, "wo", fields), p + "attn_output.weight", (d, q_dim))
+        if head_dim:
+            _set(layer, "q_norm", fields, self.floats(p + "attn_q_norm.weight", (head_dim,)))
+            if kv:
+                _set(layer, "k_norm", fields, self.floats(p + "attn_k_norm.weight", (head_dim,)))
+        if biases:
+            for name, n in (("bq", q_dim), ("bk", kv_dim), ("bv", kv_dim)):
+                if kv or name == "bq":
+                    tensor = f"{p}attn_{name[1]}.bias"
+                    _set(layer, name, fields, self.optional_floats(tensor, (n,)))
+        if not kv:
+            for name in ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight"):
+                if has(p + name):
+                    self.use(p + name)
+        if post_norm is not None:
+            _set(layer, "post_attn_norm", fields, self.floats(p + post_norm + ".weight", (d,)))
+
+    def mlp_tensors(
+        self,
+        layer: Any,
+        p: str,
+        n_ff: int,
+        *,
+        norm: str | None = "ffn_norm",
+        post_norm: str | None = None,
+        fields: Mapping[str, str] | None = None,
+    ) -> None:
+        """A block's gated MLP: ``ffn_norm`` from the tensor named ``norm`` (n_embd; None:
+        none), ``ffn_gate`` and ``ffn_up`` (n_ff, n_embd), ``ffn_down`` (n_embd, n_ff);
+        ``post_norm``: the name of a norm of the output, into ``post_ffn_norm``."""
+        d = self.config.n_embd
+        if norm is not None:
+            _set(layer, "ffn_norm", fields, self.floats(p + norm + ".weight", (d,)))
+        self.matrix(_field(layer, "ffn_gate", fields), p + "ffn_gate.weight", (n_ff, d))
+        self.matrix(_field(layer, "ffn_up", fields), p + "ffn_up.weight", (n_ff, d))
+        self.matrix(_field(layer, "ffn_down", fields), p + "ffn_down.weight", (d, n_ff))
+        if post_norm is not None:
+            _set(layer, "post_ffn_norm", fields, self.floats(p + post_norm + ".weight", (d,)))
+
+    def moe_tensors(
+        self,
+        layer: Any,
+        p: str,
+        *,
+        n_expert: int,
+        n_ff: int,
+        n_ff_shexp: int = 0,
+        norm: str | None = "ffn_norm",
+        fields: Mapping[str, str] | None = None,
+    ) -> None:
+        """A block's mixture of experts: ``ffn_norm`` as :meth:`mlp_tensors`; the router
+        ``ffn_gate_inp`` (n_expert, n_embd); the experts' ``ffn_gate_up_exps`` (n_expert,
+        2 n_ff, n_embd: each expert's gate rows then its up rows) when the file fuses them,
+        else ``ffn_gate_exps`` and ``ffn_up_exps`` (n_expert, n_ff, n_embd); and
+        ``ffn_down_exps`` (n_expert, n_embd, n_ff). With ``n_ff_shexp``: a shared expert,
+        ``ffn_gate_shexp``, ``ffn_up_shexp`` (n_ff_shexp, n_embd), ``ffn_down_shexp``
+        (n_embd, n_ff_shexp) and its gate ``ffn_gate_inp_shexp`` ((n_embd,) or
+        (1, n_embd))."""
+        d, e = self.config.n_embd, n_expert
+
+        def put(name: str, shape: tuple[int, ...], cuts: Sequence[int] = ()) -> None:
+            self.matrix(_field(layer, name, fields), f"{p}{name}.weight", shape, cuts=cuts)
+
+        if norm is not None:
+            _set(layer, "ffn_norm", fields, self.floats(p + norm + ".weight", (d,)))
+        put("ffn_gate_inp", (e, d))
+        if p + "ffn_gate_up_exps.weight" in self.gguf.tensors:
+            put("ffn_gate_up_exps", (e, 2 * n_ff, d), cuts=(n_ff,))
+        else:
+            put("ffn_gate_exps", (e, n_ff, d))
+            put("ffn_up_exps", (e, n_ff, d))
+        put("ffn_down_exps", (e, d, n_ff))
+        if n_ff_shexp > 0:
+            info = self.gguf.tensors.get(p + "ffn_gate_inp_shexp.weight")
+            # written as (n_embd,) by some converters, (1, n_embd) by others
+            put("ffn_gate_inp_shexp", (d,) if info is not None and len(info.shape) == 1 else (1, d))
+            put("ffn_gate_shexp", (n_ff_shexp, d))
+            put("ffn_up_shexp", (n_ff_shexp, d))
+            put("ffn_down_shexp", (d, n_ff_shexp))
+
+    def rope_factors(self) -> npt.NDArray[np.float32] | None:
+        """The file's ``rope_freqs`` per-pair factors (F32, marked read), or None."""
+        if "rope_freqs.weight" not in self.gguf.tensors:
+            return None
+        info = self.gguf.require("rope_freqs.weight", ggml_types=(int(kernels.QuantType.F32),))
+        self.use("rope_freqs.weight")
+        return info.data.view(np.float32)  # rope_from_gguf checks the count
 
     def build(self, build_fn: Callable[..., int], *args: Any, n_used_experts: int = 0) -> None:
         """Call the family's C ``build(*args, n_threads, n_batch, lm_base **out)``.
@@ -672,3 +847,12 @@ def _bind(ffi: Any, lib: Any) -> None:
         if status != 0:
             kernels.check(status, "binding the family module to the core's kernels")
         _bound.add(id(lib))
+
+
+def _field(struct: Any, name: str, fields: Mapping[str, str] | None) -> Any:
+    """Field ``name`` of a cffi struct, under the struct's own name in ``fields``."""
+    return getattr(struct, fields.get(name, name) if fields else name)
+
+
+def _set(struct: Any, name: str, fields: Mapping[str, str] | None, value: Any) -> None:
+    setattr(struct, fields.get(name, name) if fields else name, value)

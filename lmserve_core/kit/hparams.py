@@ -40,6 +40,16 @@ class HParams:
         if not self.arch:
             raise GGUFError(f"{gguf.path}: general.architecture is missing")
 
+    @classmethod
+    def served(cls, gguf: GGUFFile, architectures: Sequence[str], family: str) -> HParams:
+        """The metadata of a file whose architecture is one of ``architectures``; a
+        :class:`GGUFError` naming the ``family`` otherwise."""
+        if gguf.architecture not in architectures:
+            raise GGUFError(
+                f"architecture {gguf.architecture!r} is not served by the {family} family"
+            )
+        return cls(gguf)
+
     def key(self, suffix: str) -> str:
         """The full key of ``suffix``: ``{arch}.{suffix}``."""
         return f"{self.arch}.{suffix}"

@@ -152,3 +152,26 @@ def family_ffibuilder(
         **kwargs,
     )
     return ffi
+
+
+def family_ffibuilder_for(
+    build_file: str | os.PathLike[str], *names: str, env: Mapping[str, str] | None = None
+) -> Any:
+    """:func:`family_ffibuilder` for a plugin laid out as the families are: ``build_file`` is
+    its ``<package>/build.py`` (pass ``__file__``), the module is ``<package>._forward``, and
+    for each of ``names`` the plugin's ``csrc/<name>_forward.c`` is compiled, the first
+    one's ``csrc/<name>_forward.h`` declaring the module::
+
+        ffibuilder = family_ffibuilder_for(__file__, "gemma", "gemma4")
+    """
+    if not names:
+        raise ValueError("a family module compiles at least one csrc/<name>_forward.c")
+    package = Path(build_file).resolve().parent
+    csrc = package.parent / "csrc"
+    return family_ffibuilder(
+        f"{package.name}._forward",
+        csrc / f"{names[0]}_forward.h",
+        # setuptools wants sources relative to the directory it runs in (the plugin's root)
+        [os.path.relpath(csrc / f"{name}_forward.c") for name in names],
+        env=env,
+    )

@@ -6,9 +6,10 @@
  *   model base         pool, residual buffers, layer-helper scratch, the chunk driver
  *   layer helpers      embedding, self-attention over a KV cache, gated feed-forward,
  *                      mixture of experts, output head
+ *   decoders           the pre-norm block and the chunk loop over a table of blocks
  *
- * A family's forward_chunk strings the layer helpers together; its own C is the weight
- * table and the order of the blocks.
+ * A family's own C is its weight table mapped onto blocks (and, for a step the blocks do not
+ * have, the decoder's hooks); anything else strings the layer helpers together.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -284,9 +285,10 @@ void lm_base_free(lm_base *b) {
     lm_aligned_free(b->x);
     lm_aligned_free(b->xb);
     lm_aligned_free(b->xs);
+    lm_aligned_free(b->ext);
     lm_aligned_free(b->tmp);
     b->pool = NULL;
-    b->x = b->xb = b->xs = NULL;
+    b->x = b->xb = b->xs = b->ext = NULL;
     b->tmp = NULL;
     b->tmp_bytes = 0;
 }
@@ -389,54 +391,68 @@ int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float 
     return row0 >= r0 + n ? LM_OK : LM_EINVAL;
 }
 
-int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t ntok,
-                      float *y) {
+/* y (n, n_embd) = self-attention of normed x (n, n_embd), rows [r0, r0 + n) of the chunk. */
+static int attention_rows(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t r0,
+                          int64_t n, float *y) {
     if (b == NULL || a == NULL || x == NULL || y == NULL || layer < 0 || layer >= b->n_layer ||
-        ntok < 0 || ntok > b->n_batch)
+        r0 < 0 || n < 0 || r0 + n > b->n_batch || a->kv_shared < 0 || a->kv_shared > layer)
         return LM_EINVAL;
-    const lm_cache_layer *g = &b->cache_layers[layer];
+    const int src = layer - a->kv_shared, own = a->kv_shared == 0;
+    const lm_cache_layer *g = &b->cache_layers[src];
     if (a->n_head <= 0 || a->n_kv_head != g->n_kv_head || a->head_dim != g->head_dim_k ||
         a->head_dim != g->head_dim_v || a->n_head % a->n_kv_head != 0)
         return LM_EMISMATCH;
-    if (ntok == 0) return LM_OK;
+    if (n == 0) return LM_OK;
     const int64_t D = b->n_embd, QD = (int64_t)a->n_head * a->head_dim;
     const int64_t KVD = (int64_t)a->n_kv_head * a->head_dim;
     float *q, *k, *v, *att, *qg;
     float **bufs[] = {&q, &k, &v, &att, &qg};
-    const int64_t lens[] = {ntok * QD, ntok * KVD, ntok * KVD, ntok * QD, a->gated ? 2 * ntok * QD : 0};
+    const int64_t lens[] = {n * QD, own ? n * KVD : 0, own ? n * KVD : 0, n * QD,
+                            a->gated ? 2 * n * QD : 0};
     LM_TRY(carve(b, 5, bufs, lens));
     lm_pool *pool = b->pool;
 
-    const lm_mm qkv[3] = {
-        {a->wq, a->gated ? 2 * QD : QD, D, x, a->gated ? qg : q},
-        {a->wk, KVD, D, x, k},
-        {a->wv, KVD, D, x, v},
-    };
-    LM_TRY(lm_matmuls(pool, qkv, 3, ntok));
+    lm_mm mms[3];
+    int n_mm = 0;
+    mms[n_mm++] = (lm_mm){a->wq, a->gated ? 2 * QD : QD, D, x, a->gated ? qg : q};
+    if (own) {
+        mms[n_mm++] = (lm_mm){a->wk, KVD, D, x, k};
+        if (a->wv.data != NULL) mms[n_mm++] = (lm_mm){a->wv, KVD, D, x, v};
+    }
+    LM_TRY(lm_matmuls(pool, mms, n_mm, n));
     if (a->gated) {
         /* each head's query rows then its gate rows: queries into q, the gates packed at the
          * front of qg (each moves to a lower or equal address) */
         const size_t hb = sizeof(float) * (size_t)a->head_dim;
-        for (int64_t t = 0; t < ntok; t++)
+        for (int64_t t = 0; t < n; t++)
             for (int h = 0; h < a->n_head; h++) {
-                const float *src = qg + t * 2 * QD + (int64_t)2 * h * a->head_dim;
-                memcpy(q + t * QD + (int64_t)h * a->head_dim, src, hb);
-                memmove(qg + t * QD + (int64_t)h * a->head_dim, src + a->head_dim, hb);
+                const float *from = qg + t * 2 * QD + (int64_t)2 * h * a->head_dim;
+                memcpy(q + t * QD + (int64_t)h * a->head_dim, from, hb);
+                memmove(qg + t * QD + (int64_t)h * a->head_dim, from + a->head_dim, hb);
             }
     }
-    add_bias(q, a->bq, ntok, QD);
-    add_bias(k, a->bk, ntok, KVD);
-    add_bias(v, a->bv, ntok, KVD);
+    add_bias(q, a->bq, n, QD);
+    if (own) {
+        add_bias(k, a->bk, n, KVD);
+        if (a->wv.data == NULL) memcpy(v, k, sizeof(float) * (size_t)(n * KVD));
+        add_bias(v, a->bv, n, KVD);
+    }
     if (a->q_norm != NULL)
-        LM_TRY(lm_rmsnorm_rows(pool, q, q, a->q_norm, ntok * a->n_head, a->head_dim,
-                                        a->norm_eps));
-    if (a->k_norm != NULL)
-        LM_TRY(lm_rmsnorm_rows(pool, k, k, a->k_norm, ntok * a->n_kv_head, a->head_dim,
-                                        a->norm_eps));
-    LM_TRY(lm_attend(b, a, layer, layer, q, k, v, 0, ntok, att));
+        LM_TRY(lm_rmsnorm_rows(pool, q, q, a->q_norm, n * a->n_head, a->head_dim, a->norm_eps));
+    if (own && a->k_norm != NULL)
+        LM_TRY(lm_rmsnorm_rows(pool, k, k, a->k_norm, n * a->n_kv_head, a->head_dim,
+                               a->norm_eps));
+    if (own && a->v_norm)
+        LM_TRY(lm_rmsnorm_rows(pool, v, v, NULL, n * a->n_kv_head, a->head_dim, a->norm_eps));
+    LM_TRY(lm_attend(b, a, layer, src, q, own ? k : NULL, own ? v : NULL, r0, n, att));
     if (a->gated)
-        for (int64_t i = 0; i < ntok * QD; i++) att[i] *= 1.0f / (1.0f + expf(-qg[i]));
-    return lm_matmul(pool, a->wo.type, a->wo.data, D, QD, att, ntok, y);
+        for (int64_t i = 0; i < n * QD; i++) att[i] *= 1.0f / (1.0f + expf(-qg[i]));
+    return lm_matmul(pool, a->wo.type, a->wo.data, D, QD, att, n, y);
+}
+
+int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t ntok,
+                      float *y) {
+    return attention_rows(b, a, layer, x, 0, ntok, y);
 }
 
 int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float *y) {
@@ -486,6 +502,9 @@ int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w) {
     }
     if (m->weights_scale != 1.0f) {
         for (int k = 0; k < K; k++) w[k] *= m->weights_scale;
+    }
+    if (m->expert_scale != NULL) {
+        for (int k = 0; k < K; k++) w[k] *= m->expert_scale[ids[k]];
     }
     return LM_OK;
 }
@@ -627,32 +646,52 @@ int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, co
     return LM_OK;
 }
 
-int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y) {
-    if (b == NULL || m == NULL || x == NULL || y == NULL || ntok < 0 || ntok > b->n_batch ||
-        m->n_expert <= 0 || m->n_used <= 0 || m->n_used > m->n_expert || m->n_expert > 4096 ||
-        m->n_ff <= 0 || layer < 0 || layer >= b->n_layer)
+/* y (ntok, n_embd) = the experts over x (ntok, n_embd), rows [r0, r0 + ntok) of the chunk
+ * (where their routing is traced). */
+static int moe_rows(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t r0,
+                    int64_t ntok, float *y) {
+    if (b == NULL || m == NULL || x == NULL || y == NULL || r0 < 0 || ntok < 0 ||
+        r0 + ntok > b->n_batch || m->n_expert <= 0 || m->n_used <= 0 ||
+        m->n_used > m->n_expert || m->n_expert > 4096 || m->n_ff <= 0 || layer < 0 ||
+        layer >= b->n_layer)
         return LM_EINVAL;
     if (ntok == 0) return LM_OK;
     const int64_t D = b->n_embd;
     const int E = m->n_expert, K = m->n_used;
     const int64_t NK = ntok * K; /* (token, choice) pairs */
-    /* the routing first in the scratch: lm_moe_experts keeps it and reuses the logits' place */
-    float *wts, *ids_f, *logits;
-    float **bufs[] = {&wts, &ids_f, &logits};
-    const int64_t lens[] = {NK, NK, ntok * E};
-    LM_TRY(carve(b, 3, bufs, lens));
+    /* the routing first in the scratch: lm_moe_experts keeps it and reuses the rest */
+    float *wts, *ids_f, *r, *logits;
+    float **bufs[] = {&wts, &ids_f, &r, &logits};
+    const int64_t lens[] = {NK, NK, m->router_norm != NULL ? ntok * D : 0, ntok * E};
+    LM_TRY(carve(b, 4, bufs, lens));
     int32_t *ids = (int32_t *)ids_f;
+    lm_pool *pool = b->pool;
 
-    LM_TRY(lm_matmul(b->pool, m->router.type, m->router.data, E, D, x, ntok, logits));
+    const float *in = x;
+    if (m->router_norm != NULL) {
+        LM_TRY(lm_rmsnorm_rows(pool, r, x, m->router_norm, ntok, D, m->norm_eps));
+        if (m->router_scale != 0.0f && m->router_scale != 1.0f)
+            LM_TRY(lm_scale_rows(r, m->router_scale, ntok * D));
+        in = r;
+    }
+    LM_TRY(lm_matmul(pool, m->router.type, m->router.data, E, D, in, ntok, logits));
     for (int64_t t = 0; t < ntok; t++)
         LM_TRY(lm_moe_route(m, logits + t * E, ids + t * K, wts + t * K));
     lm_trace *tr = b->trace;
-    if (tr != NULL && tr->n_used == K && b->trace_row + ntok <= tr->cap) {
-        const size_t at = ((size_t)layer * (size_t)tr->cap + (size_t)b->trace_row) * (size_t)K;
+    if (tr != NULL && tr->n_used == K && b->trace_row + r0 + ntok <= tr->cap) {
+        const size_t at =
+            ((size_t)layer * (size_t)tr->cap + (size_t)(b->trace_row + r0)) * (size_t)K;
         memcpy(tr->ids + at, ids, sizeof(int32_t) * (size_t)NK);
         memcpy(tr->weights + at, wts, sizeof(float) * (size_t)NK);
     }
-    return lm_moe_experts(b, m, x, ntok, ids, wts, y);
+    if (m->norm == NULL) return lm_moe_experts(b, m, x, ntok, ids, wts, y);
+    /* the experts' input, into y (x is no longer read) */
+    LM_TRY(lm_rmsnorm_rows(pool, y, x, m->norm, ntok, D, m->norm_eps));
+    return lm_moe_experts(b, m, y, ntok, ids, wts, y);
+}
+
+int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y) {
+    return moe_rows(b, m, layer, x, 0, ntok, y);
 }
 
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
@@ -669,55 +708,86 @@ int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const flo
 
 /* ============================================================================ decoders */
 
-int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t ntok) {
-    if (b == NULL || blk == NULL) return LM_EINVAL;
-    const int64_t D = b->n_embd, n = ntok * D;
+/* The feed-forward half of a block over rows [r0, r0 + n): x (their residual) in, xb (the
+ * ffn_norm'ed rows) in and out. */
+static int block_ffn(lm_base *b, const lm_block *blk, int layer, int64_t r0, int64_t n,
+                     const float *x, float *xb) {
+    const int64_t D = b->n_embd;
     const float eps = blk->norm_eps;
-    LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->attn_norm, ntok, D, eps));
+    if (blk->moe.n_expert <= 0) return lm_glu_ffn(b, &blk->ffn, xb, n, xb);
+    const int shared = blk->shexp.n_ff > 0;
+    if (!shared && !blk->ffn_parallel) return moe_rows(b, &blk->moe, layer, xb, r0, n, xb);
+    if (b->xs == NULL) return LM_EINVAL;
+    float *xs = b->xs + r0 * D; /* the second branch's rows */
+    if (blk->ffn_parallel) {
+        /* the dense ffn over xb, the experts over the residual, each normed */
+        LM_TRY(lm_glu_ffn(b, &blk->ffn, xb, n, xb));
+        LM_TRY(lm_rmsnorm_rows(b->pool, xb, xb, blk->post_dense_norm, n, D, eps));
+        LM_TRY(moe_rows(b, &blk->moe, layer, x, r0, n, xs));
+        LM_TRY(lm_rmsnorm_rows(b->pool, xs, xs, blk->post_moe_norm, n, D, eps));
+        return lm_add_rows(xb, xs, n * D);
+    }
+    /* a shared expert beside the routed ones, maybe gated */
+    float *gs = b->xs + b->n_batch * D + r0;
+    const int gated = blk->shexp_gate.data != NULL;
+    if (gated)
+        LM_TRY(lm_matmul(b->pool, blk->shexp_gate.type, blk->shexp_gate.data, 1, D, xb, n, gs));
+    LM_TRY(lm_glu_ffn(b, &blk->shexp, xb, n, xs));
+    LM_TRY(moe_rows(b, &blk->moe, layer, xb, r0, n, xb));
+    for (int64_t t = 0; t < n; t++) {
+        const float w = gated ? 1.0f / (1.0f + expf(-gs[t])) : 1.0f;
+        lm_kernels_active()->axpy_f32(xb + t * D, w, xs + t * D, D);
+    }
+    return LM_OK;
+}
+
+int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t r0, int64_t n) {
+    if (b == NULL || blk == NULL || r0 < 0 || n < 0 || r0 + n > b->n_batch) return LM_EINVAL;
+    const int64_t D = b->n_embd;
+    const float eps = blk->norm_eps;
+    float *x = b->x + r0 * D, *xb = b->xb + r0 * D;
+    LM_TRY(lm_rmsnorm_rows(b->pool, xb, x, blk->attn_norm, n, D, eps));
     if (blk->mixer == LM_MIXER_DELTANET) {
-        LM_TRY(lm_deltanet_mixer(b, &blk->delta, layer, b->xb, ntok, b->xb));
+        if (r0 != 0) return LM_EINVAL; /* a recurrent state runs through every row */
+        LM_TRY(lm_deltanet_mixer(b, &blk->delta, layer, xb, n, xb));
     } else {
-        LM_TRY(lm_self_attention(b, &blk->attn, layer, b->xb, ntok, b->xb));
+        LM_TRY(attention_rows(b, &blk->attn, layer, xb, r0, n, xb));
     }
     if (blk->post_attn_norm != NULL)
-        LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->xb, blk->post_attn_norm, ntok, D, eps));
-    LM_TRY(lm_add_rows(b->x, b->xb, n));
-    LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->x, blk->ffn_norm, ntok, D, eps));
-    if (blk->moe.n_expert > 0) {
-        const int shared = blk->shexp.n_ff > 0;
-        float *xs = b->xs, *gs = b->xs + b->n_batch * D;
-        if (shared) {
-            if (xs == NULL) return LM_EINVAL;
-            if (blk->shexp_gate.data != NULL)
-                LM_TRY(lm_matmul(b->pool, blk->shexp_gate.type, blk->shexp_gate.data, 1, D,
-                                 b->xb, ntok, gs));
-            LM_TRY(lm_glu_ffn(b, &blk->shexp, b->xb, ntok, xs));
-        }
-        LM_TRY(lm_moe_ffn(b, &blk->moe, layer, b->xb, ntok, b->xb));
-        if (shared) {
-            for (int64_t t = 0; t < ntok; t++) {
-                const float w =
-                    blk->shexp_gate.data != NULL ? 1.0f / (1.0f + expf(-gs[t])) : 1.0f;
-                lm_kernels_active()->axpy_f32(b->xb + t * D, w, xs + t * D, D);
-            }
-        }
-    } else {
-        LM_TRY(lm_glu_ffn(b, &blk->ffn, b->xb, ntok, b->xb));
-    }
+        LM_TRY(lm_rmsnorm_rows(b->pool, xb, xb, blk->post_attn_norm, n, D, eps));
+    LM_TRY(lm_add_rows(x, xb, n * D));
+    LM_TRY(lm_rmsnorm_rows(b->pool, xb, x, blk->ffn_norm, n, D, eps));
+    LM_TRY(block_ffn(b, blk, layer, r0, n, x, xb));
     if (blk->post_ffn_norm != NULL)
-        LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, b->xb, blk->post_ffn_norm, ntok, D, eps));
-    return lm_add_rows(b->x, b->xb, n);
+        LM_TRY(lm_rmsnorm_rows(b->pool, xb, xb, blk->post_ffn_norm, n, D, eps));
+    return lm_add_rows(x, xb, n * D);
+}
+
+/* 1 when the block writes no cache: attention over an earlier layer's. */
+static int block_quiet(const lm_block *blk) {
+    return blk->mixer == LM_MIXER_ATTENTION && blk->attn.kv_shared > 0;
 }
 
 int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int64_t ntok,
                      float *logits, int64_t first_logit) {
     if (b == NULL || d == NULL || first_logit < 0 || first_logit > ntok) return LM_EINVAL;
+    const int64_t D = b->n_embd;
     LM_TRY(lm_embed(b, d->token_embd, tokens, ntok));
-    if (d->embd_scale != 0.0f) LM_TRY(lm_scale_rows(b->x, d->embd_scale, ntok * b->n_embd));
+    if (d->embd_scale != 0.0f) LM_TRY(lm_scale_rows(b->x, d->embd_scale, ntok * D));
+    if (d->begin_chunk != NULL) LM_TRY(d->begin_chunk(d->ctx, b, tokens, ntok));
+    /* the trailing blocks that write no cache need only the rows with logits */
+    int quiet = b->n_layer;
+    while (quiet > 0 && block_quiet(&d->blocks[quiet - 1])) quiet--;
     for (int l = 0; l < b->n_layer; l++) {
-        LM_TRY(lm_decoder_block(b, &d->blocks[l], l, ntok));
+        const lm_block *blk = &d->blocks[l];
+        const int64_t r0 = l >= quiet ? first_logit : 0, n = ntok - r0;
+        if (r0 > 0 && n == 0) continue;
+        LM_TRY(lm_decoder_block(b, blk, l, r0, n));
+        if (d->after_block != NULL) LM_TRY(d->after_block(d->ctx, b, l, r0, n));
+        if (blk->out_scale != NULL)
+            LM_TRY(lm_scale_rows(b->x + r0 * D, blk->out_scale[0], n * D));
     }
-    return lm_logits(b, d->output_norm, d->norm_eps, d->output, b->x + first_logit * b->n_embd,
+    return lm_logits(b, d->output_norm, d->norm_eps, d->output, b->x + first_logit * D,
                      ntok - first_logit, d->logit_softcap, logits);
 }
 
@@ -725,61 +795,85 @@ static int matrix_ok(lm_matrix m, int64_t cols) {
     return m.data != NULL && lm_row_bytes(m.type, cols) > 0;
 }
 
-static int attn_ok(const lm_attn *a, int64_t D) {
+static int attn_ok(const lm_block *blocks, int l, int64_t D) {
+    const lm_attn *a = &blocks[l].attn;
     const int64_t qd = (int64_t)a->n_head * a->head_dim;
     if (a->n_head <= 0 || a->n_kv_head <= 0 || a->n_head % a->n_kv_head != 0 ||
-        a->head_dim <= 0 || !(a->norm_eps >= 0.0f) || a->window < 0 || !(a->softcap >= 0.0f))
+        a->head_dim <= 0 || !(a->norm_eps >= 0.0f) || a->window < 0 || !(a->softcap >= 0.0f) ||
+        (a->v_norm != 0 && a->v_norm != 1) || a->kv_shared < 0 || a->kv_shared > l)
         return LM_EINVAL;
     if (a->rope != NULL && (a->rope->n_rot > a->head_dim || a->rope->n_rot % 2 != 0))
         return LM_EINVAL;
     if (a->gated != 0 && (a->gated != 1 || a->bq != NULL)) return LM_EINVAL;
-    if (!matrix_ok(a->wq, D) || !matrix_ok(a->wk, D) || !matrix_ok(a->wv, D) ||
-        !matrix_ok(a->wo, qd))
-        return LM_ETYPE;
+    if (!matrix_ok(a->wq, D) || !matrix_ok(a->wo, qd)) return LM_ETYPE;
+    if (a->kv_shared > 0) {
+        /* the source: an attention layer with keys and values of its own, of these heads */
+        const lm_block *src = &blocks[l - a->kv_shared];
+        const lm_attn *s = &src->attn;
+        if (src->mixer != LM_MIXER_ATTENTION || s->kv_shared != 0 ||
+            s->n_kv_head != a->n_kv_head || s->head_dim != a->head_dim || s->window != a->window)
+            return LM_EINVAL;
+        return LM_OK;
+    }
+    if (!matrix_ok(a->wk, D) || (a->wv.data != NULL && !matrix_ok(a->wv, D))) return LM_ETYPE;
     return LM_OK;
 }
 
-static int ffn_ok(const lm_block *blk, int64_t D) {
-    if (blk->moe.n_expert > 0) {
-        const lm_moe *m = &blk->moe;
-        if (m->n_used <= 0 || m->n_used > m->n_expert || m->n_ff <= 0 || blk->shexp.n_ff < 0)
-            return LM_EINVAL;
-        const lm_ffn *s = &blk->shexp;
-        if (s->n_ff > 0 && (!matrix_ok(s->gate, D) || !matrix_ok(s->up, D) ||
-                            !matrix_ok(s->down, s->n_ff) ||
-                            (blk->shexp_gate.data != NULL && !matrix_ok(blk->shexp_gate, D))))
-            return LM_ETYPE;
-        const int fused = m->gate_up_exps.data != NULL;
-        if (!matrix_ok(m->router, D) || !matrix_ok(m->down_exps, m->n_ff) ||
-            (fused && !matrix_ok(m->gate_up_exps, D)) ||
-            (!fused && (!matrix_ok(m->gate_exps, D) || !matrix_ok(m->up_exps, D))))
-            return LM_ETYPE;
-        return LM_OK;
-    }
-    const lm_ffn *f = &blk->ffn;
+static int ffn_ok(const lm_ffn *f, int64_t D) {
     if (f->n_ff <= 0) return LM_EINVAL;
     if (!matrix_ok(f->gate, D) || !matrix_ok(f->up, D) || !matrix_ok(f->down, f->n_ff))
         return LM_ETYPE;
     return LM_OK;
 }
 
+static int block_ffn_ok(const lm_block *blk, int64_t D) {
+    if (blk->moe.n_expert <= 0) {
+        /* a router or a parallel block without experts is a table gone wrong */
+        if (blk->moe.n_expert < 0 || blk->moe.router.data != NULL || blk->ffn_parallel)
+            return LM_EINVAL;
+        return ffn_ok(&blk->ffn, D);
+    }
+    const lm_moe *m = &blk->moe;
+    if (m->n_used <= 0 || m->n_used > m->n_expert || m->n_ff <= 0 ||
+        blk->shexp.n_ff < 0 || !(m->norm_eps >= 0.0f) || !isfinite(m->router_scale) ||
+        (blk->ffn_parallel != 0 && blk->ffn_parallel != 1))
+        return LM_EINVAL;
+    if (blk->ffn_parallel) {
+        if (blk->shexp.n_ff > 0 || blk->post_dense_norm == NULL || blk->post_moe_norm == NULL)
+            return LM_EINVAL;
+        LM_TRY(ffn_ok(&blk->ffn, D));
+    }
+    if (blk->shexp.n_ff > 0) {
+        LM_TRY(ffn_ok(&blk->shexp, D));
+        if (blk->shexp_gate.data != NULL && !matrix_ok(blk->shexp_gate, D)) return LM_ETYPE;
+    }
+    const int fused = m->gate_up_exps.data != NULL;
+    if (!matrix_ok(m->router, D) || !matrix_ok(m->down_exps, m->n_ff) ||
+        (fused && !matrix_ok(m->gate_up_exps, D)) ||
+        (!fused && (!matrix_ok(m->gate_exps, D) || !matrix_ok(m->up_exps, D))))
+        return LM_ETYPE;
+    return LM_OK;
+}
+
 int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
     if (b == NULL || d == NULL || d->blocks == NULL || d->output_norm == NULL ||
-        !isfinite(d->embd_scale) || !(d->logit_softcap >= 0.0f))
+        !isfinite(d->embd_scale) || !(d->logit_softcap >= 0.0f) || d->n_ext < 0 ||
+        (d->n_ext > 0 && b->ext == NULL))
         return LM_EINVAL;
     const int64_t D = b->n_embd;
     if (!matrix_ok(d->token_embd, D) || !matrix_ok(d->output, D)) return LM_ETYPE;
     for (int l = 0; l < b->n_layer; l++) {
         const lm_block *blk = &d->blocks[l];
         if (blk->attn_norm == NULL || blk->ffn_norm == NULL || !(blk->norm_eps >= 0.0f) ||
-            (blk->mixer != LM_MIXER_ATTENTION && blk->mixer != LM_MIXER_DELTANET))
+            (blk->mixer != LM_MIXER_ATTENTION && blk->mixer != LM_MIXER_DELTANET) ||
+            (blk->out_scale != NULL && !isfinite(blk->out_scale[0])))
             return LM_EINVAL;
         if (blk->mixer == LM_MIXER_DELTANET) {
             LM_TRY(lm_deltanet_check(b, &blk->delta, l));
         } else {
-            LM_TRY(attn_ok(&blk->attn, D));
+            LM_TRY(attn_ok(d->blocks, l, D));
         }
-        LM_TRY(ffn_ok(blk, D));
+        LM_TRY(block_ffn_ok(blk, D));
     }
     return LM_OK;
 }
@@ -789,6 +883,7 @@ int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
 static void decoder_model_free(void *self) {
     lm_decoder_model *m = self;
     lm_base_free(&m->base);
+    if (m->dec.free_ctx != NULL) m->dec.free_ctx(m->dec.ctx);
     free(m->blocks);
     free(m->geometry);
     free(m);
@@ -817,32 +912,42 @@ int lm_decoder_new(int n_layer, lm_decoder_model **out) {
     return LM_OK;
 }
 
+/* A float buffer of `n` values, 64-byte aligned, into *out; LM_ENOMEM when it fails. */
+static int alloc_floats(float **out, int64_t n) {
+    *out = lm_aligned_alloc(sizeof(float) * (size_t)n);
+    return *out != NULL ? LM_OK : LM_ENOMEM;
+}
+
 int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64_t n_vocab,
                       int64_t n_embd, lm_base **out) {
     if (m == NULL) return LM_EINVAL;
-    int status = out != NULL ? LM_OK : LM_EINVAL;
-    int shared = 0;
+    int status = out != NULL && m->dec.n_ext >= 0 && m->dec.n_ext <= (1 << 24) ? LM_OK
+                                                                                : LM_EINVAL;
+    int side = 0; /* a block with a second feed-forward branch: b->xs */
     for (int l = 0; status == LM_OK && l < m->n_layer; l++) {
         const lm_block *blk = &m->blocks[l];
         const lm_attn *a = &blk->attn;
-        shared |= blk->moe.n_expert > 0 && blk->shexp.n_ff > 0;
+        side |= blk->moe.n_expert > 0 && (blk->shexp.n_ff > 0 || blk->ffn_parallel);
         if (blk->mixer == LM_MIXER_DELTANET) {
             m->geometry[l] = lm_deltanet_geometry(&blk->delta);
             continue;
         }
         /* a sliding window keeps its window and one chunk's rows (written before attention) */
         const int64_t ring = a->window > 0 ? a->window + n_batch : 0;
-        m->geometry[l] = (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim, ring, 0};
+        /* a layer reading another's cache keeps a token row: its geometry (and ring) only has
+         * to match from cache to cache */
+        m->geometry[l] = a->kv_shared == 0
+                             ? (lm_cache_layer){a->n_kv_head, a->head_dim, a->head_dim, ring, 0}
+                             : (lm_cache_layer){1, 1, 1, ring, 0};
     }
     m->dec.blocks = m->blocks;
     if (status == LM_OK) {
         status = lm_base_init(&m->base, n_threads, n_batch, n_vocab, n_embd, m->n_layer,
                               m->geometry, decoder_model_chunk, decoder_model_free);
     }
-    if (status == LM_OK && shared) {
-        m->base.xs = lm_aligned_alloc(sizeof(float) * (size_t)(n_batch * (n_embd + 1)));
-        if (m->base.xs == NULL) status = LM_ENOMEM;
-    }
+    if (status == LM_OK && side) status = alloc_floats(&m->base.xs, n_batch * (n_embd + 1));
+    if (status == LM_OK && m->dec.n_ext > 0)
+        status = alloc_floats(&m->base.ext, n_batch * m->dec.n_ext);
     if (status == LM_OK) status = lm_decoder_check(&m->base, &m->dec);
     if (status != LM_OK) {
         decoder_model_free(m);

@@ -97,15 +97,15 @@ typedef struct gemma4_layer {
     lm_matrix ffn_up;         /* (n_ff, n_embd) */
     lm_matrix ffn_down;       /* (n_embd, n_ff) */
     const float *post_ffn_norm_1; /* (n_embd) of the dense branch of a MoE layer, else NULL */
-    lm_matrix router;         /* (n_expert, n_embd); data NULL: a dense layer */
-    const float *router_scale;   /* (n_embd) multiplies rmsnorm(x) / sqrt(n_embd) */
-    const float *pre_ffn_norm_2; /* (n_embd) input norm of the experts */
-    lm_matrix gate_up_exps;   /* (n_expert, 2 * n_ff_exp, n_embd) gate rows then up rows;
-                                 data NULL: gate_exps and up_exps */
-    lm_matrix gate_exps;      /* (n_expert, n_ff_exp, n_embd) */
-    lm_matrix up_exps;        /* (n_expert, n_ff_exp, n_embd) */
-    lm_matrix down_exps;      /* (n_expert, n_embd, n_ff_exp) */
-    const float *down_exps_scale; /* (n_expert) multiplies each expert's output, or NULL */
+    lm_matrix ffn_gate_inp;   /* (n_expert, n_embd) router; data NULL: a dense layer */
+    const float *ffn_gate_inp_scale; /* (n_embd) multiplies rmsnorm(x) / sqrt(n_embd) */
+    const float *pre_ffn_norm_2;  /* (n_embd) input norm of the experts */
+    lm_matrix ffn_gate_up_exps;   /* (n_expert, 2 * n_ff_exp, n_embd) gate rows then up rows;
+                                     data NULL: ffn_gate_exps and ffn_up_exps */
+    lm_matrix ffn_gate_exps;  /* (n_expert, n_ff_exp, n_embd) */
+    lm_matrix ffn_up_exps;    /* (n_expert, n_ff_exp, n_embd) */
+    lm_matrix ffn_down_exps;  /* (n_expert, n_embd, n_ff_exp) */
+    const float *ffn_down_exps_scale; /* (n_expert) multiplies each expert's output, or NULL */
     const float *post_ffn_norm_2; /* (n_embd) RMS norm of the experts' output */
     const float *post_ffn_norm;   /* (n_embd) RMS norm of the feed-forward output */
     lm_matrix inp_gate;       /* (n_embd_per_layer, n_embd) PLE gate */
@@ -126,8 +126,9 @@ typedef struct gemma4_weights {
     lm_rotary rope_swa;         /* local layers: NEOX, rope.freq_base_swa */
 } gemma4_weights;
 
-/* Copies the layer table; borrows everything it points to (the mapped tensors and the rope
- * frequencies must outlive the model); *out is the model's lm_base, freed by lm_model_free. */
+/* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
+ * the layer array is read during the call); *out is the model's lm_base, freed by
+ * lm_model_free. */
 int gemma4_build(const gemma4_config *config, const gemma4_weights *weights, int n_threads,
                  int64_t n_batch, lm_base **out);
 

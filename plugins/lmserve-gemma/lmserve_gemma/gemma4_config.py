@@ -20,9 +20,9 @@ import numpy as np
 from lmserve_core.gguf_file import GGUFError, GGUFFile
 from lmserve_core.kit import MISSING, HParams
 
-# Experts per token the forward pass takes (gemma4_forward.c's G4_MAX_USED).
+# Most experts per token a file may ask for.
 MAX_EXPERTS_USED = 64
-# Widest head: a sliding-window layer's ring cache attends over heads up to this width.
+# Widest head a file may declare.
 MAX_HEAD_DIM = 1024
 
 

@@ -6,7 +6,9 @@ from importlib import resources
 from typing import Any
 
 from lmserve_core import hookimpl
-from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings, ThinkMarkers
+from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
+from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.kit.family import BackendSpec, Family
 from lmserve_core.model import FamilyConventions
 
 from .gemma4_tools import GEMMA4_TOOLS
@@ -71,43 +73,31 @@ def gemma4_conventions() -> FamilyConventions:
     )
 
 
-def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
-    """Open the GGUF, build the forward pass of its architecture and wrap it in the generic
-    chat path."""
-    from lmserve_core.gguf_chat import GGUFChatBackend
-    from lmserve_core.gguf_file import GGUFError, GGUFFile
+def conventions(gguf: GGUFFile) -> FamilyConventions:
+    """The conventions of the file's architecture."""
+    return gemma4_conventions() if gguf.architecture == "gemma4" else gemma3_conventions()
 
-    if model_path is None:
-        raise FileNotFoundError("the gemma backend needs a model file (lmserve --backend gemma "
-                                "model.gguf)")
-    gguf = GGUFFile.open(model_path)
-    arch = gguf.architecture
-    if arch == "gemma3":
-        from .model import Gemma3Model
 
-        model: Any = Gemma3Model.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
-        conventions = gemma3_conventions()
-    elif arch == "gemma4":
-        from .gemma4_model import Gemma4Model
-
-        model = Gemma4Model.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
-        conventions = gemma4_conventions()
-    else:
-        gguf.close()
-        raise GGUFError(f"architecture {arch!r} is not served by the gemma family "
-                        f"({', '.join(ARCHITECTURES)})")
-    return GGUFChatBackend(
-        name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings
-    )
+FAMILY = Family(
+    "gemma",
+    model={
+        "gemma3": "lmserve_gemma.model:Gemma3Model",
+        "gemma4": "lmserve_gemma.gemma4_model:Gemma4Model",
+    },
+    conventions=conventions,
+    backends=[
+        BackendSpec(
+            "gemma",
+            ARCHITECTURES,
+            "Gemma 3 and Gemma 4 GGUFs (text), e.g. gemma-3-270m ... 27b, "
+            "gemma-4-E2B ... 31B, 26B-A4B",
+        )
+    ],
+)
+create_backend = FAMILY.create_backend
 
 
 @hookimpl
 def register_backends(register: Any) -> None:
     """Register ``gemma``: Gemma 3 and Gemma 4 GGUFs."""
-    register(
-        "gemma",
-        create_backend,
-        architectures=ARCHITECTURES,
-        description="Gemma 3 and Gemma 4 GGUFs (text), e.g. gemma-3-270m ... 27b, "
-        "gemma-4-E2B ... 31B, 26B-A4B",
-    )
+    FAMILY.register(register)

@@ -2,7 +2,7 @@
  * Forward pass of the llama architecture over the lmserve kit.
  *
  * Per layer:  x += attention(rmsnorm(x))         (rope on q and k, grouped-query heads)
- *             x += w_down . (silu(w_gate . rmsnorm(x)) * (w_up . rmsnorm(x)))
+ *             x += ffn_down . (silu(ffn_gate . rmsnorm(x)) * (ffn_up . rmsnorm(x)))
  * which is the kit's pre-norm decoder block: this file maps the llama weight table onto it.
  */
 #include "llama_forward.h"
@@ -25,7 +25,7 @@ int llama_build(const lm_dims *dims, const llama_weights *weights, int n_threads
                      .n_head = c->n_head, .n_kv_head = c->n_kv_head, .head_dim = c->head_dim,
                      .scale = 1.0f / sqrtf((float)c->head_dim), .rope = &m->rope},
             .ffn_norm = L->ffn_norm,
-            .ffn = {L->w_gate, L->w_up, L->w_down, c->n_ff, LM_ACT_SILU},
+            .ffn = {L->ffn_gate, L->ffn_up, L->ffn_down, c->n_ff, LM_ACT_SILU},
         };
     }
     m->dec = (lm_decoder){weights->token_embd, m->blocks, weights->output_norm, weights->output,

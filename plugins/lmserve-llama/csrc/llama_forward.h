@@ -23,9 +23,9 @@ typedef struct llama_layer {
     lm_matrix wv;             /* (n_kv_head * head_dim, n_embd) */
     lm_matrix wo;             /* (n_embd, n_head * head_dim) */
     const float *ffn_norm;    /* (n_embd) */
-    lm_matrix w_gate;         /* (n_ff, n_embd) */
-    lm_matrix w_up;           /* (n_ff, n_embd) */
-    lm_matrix w_down;         /* (n_embd, n_ff) */
+    lm_matrix ffn_gate;       /* (n_ff, n_embd) */
+    lm_matrix ffn_up;         /* (n_ff, n_embd) */
+    lm_matrix ffn_down;       /* (n_embd, n_ff) */
 } llama_layer;
 
 typedef struct llama_weights {

@@ -22,9 +22,7 @@ class LlamaConfig(DecoderConfig):
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> LlamaConfig:
         """Read the config from a GGUF's metadata; unknown keys are ignored."""
-        if ARCHITECTURE_ALIASES.get(gguf.architecture) != "llama":
-            raise GGUFError(f"architecture {gguf.architecture!r} is not served by the llama family")
-        hp = HParams(gguf)
+        hp = HParams.served(gguf, tuple(ARCHITECTURE_ALIASES), "llama")
         if hp.integer("expert_count", 0, minimum=0) > 0:
             raise GGUFError("mixture-of-experts llama GGUFs are not supported")
         return cls(**decoder_hparams(hp))

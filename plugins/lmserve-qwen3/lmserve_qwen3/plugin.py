@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from lmserve_core import hookimpl
-from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings, ThinkMarkers
+from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
+from lmserve_core.kit.family import BackendSpec, Family
 from lmserve_core.model import FamilyConventions
 from lmserve_core.tools import HERMES
 
@@ -28,36 +29,24 @@ CONVENTIONS = FamilyConventions(
     thinking_switch="enable_thinking",  # the variable Qwen3's chat template reads
 )
 
-
-def create_backend(model_path: str | None, settings: ServerSettings) -> Any:
-    """Open the GGUF, build the Qwen3 forward pass and wrap it in the generic chat path."""
-    from lmserve_core.gguf_chat import GGUFChatBackend
-    from lmserve_core.gguf_file import GGUFFile
-
-    from .model import Qwen3Model
-
-    if model_path is None:
-        raise FileNotFoundError("the qwen3 backend needs a model file (lmserve --backend qwen3 "
-                                "model.gguf)")
-    gguf = GGUFFile.open(model_path)
-    model = Qwen3Model.load(gguf, n_threads=settings.threads, kv_type=settings.kv_type)
-    return GGUFChatBackend(
-        name=gguf.architecture, gguf=gguf, model=model, conventions=CONVENTIONS, settings=settings
-    )
+# Either backend name serves either file.
+FAMILY = Family(
+    "qwen3",
+    model="lmserve_qwen3.model:Qwen3Model",
+    conventions=CONVENTIONS,
+    backends=[
+        BackendSpec("qwen3", ("qwen3",), "Qwen3 GGUFs (dense), e.g. Qwen3-0.6B ... 32B"),
+        BackendSpec(
+            "qwen3moe",
+            ("qwen3moe",),
+            "Qwen3-MoE GGUFs (mixture of experts), e.g. Qwen3-30B-A3B",
+        ),
+    ],
+)
+create_backend = FAMILY.create_backend
 
 
 @hookimpl
 def register_backends(register: Any) -> None:
-    """Register ``qwen3`` (dense) and ``qwen3moe``; either name serves either file."""
-    register(
-        "qwen3",
-        create_backend,
-        architectures=("qwen3",),
-        description="Qwen3 GGUFs (dense), e.g. Qwen3-0.6B ... 32B",
-    )
-    register(
-        "qwen3moe",
-        create_backend,
-        architectures=("qwen3moe",),
-        description="Qwen3-MoE GGUFs (mixture of experts), e.g. Qwen3-30B-A3B",
-    )
+    """Register ``qwen3`` (dense) and ``qwen3moe``."""
+    FAMILY.register(register)

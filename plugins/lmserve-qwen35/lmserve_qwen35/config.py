@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile
-from lmserve_core.kit import MISSING, DecoderConfig, HParams, decoder_hparams
+from lmserve_core.kit import ExpertsConfig, HParams, decoder_hparams, experts_hparams
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 MOE = ("qwen35moe", "qwen3next")
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen35Config(DecoderConfig):
+class Qwen35Config(ExpertsConfig):
     """What the forward pass needs. ``n_layer`` counts the decoder's layers only: a file's
     multi-token-prediction layers (``nextn_predict_layers``, after them) are not run.
     ``recurrent[i]`` says whether layer i is a DeltaNet layer; ``n_ff`` is the MLP's width,
@@ -26,15 +26,8 @@ class Qwen35Config(DecoderConfig):
     ssm_n_v_head: int = 0
     ssm_head_k: int = 0
     ssm_head_v: int = 0
-    n_expert: int = 0
-    n_expert_used: int = 0
-    expert_weights_scale: float = 1.0
     n_ff_shexp: int = 0
     rope_sections: tuple[int, ...] = ()
-
-    @property
-    def moe(self) -> bool:
-        return self.n_expert > 0
 
     @property
     def conv_dim(self) -> int:
@@ -43,27 +36,14 @@ class Qwen35Config(DecoderConfig):
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Qwen35Config:
         """Read the config from a GGUF's metadata; unknown keys are ignored."""
-        arch = gguf.architecture
-        if arch not in ARCHITECTURES:
-            raise GGUFError(f"architecture {arch!r} is not served by the qwen35 family")
-        hp = HParams(gguf)
-        moe = arch in MOE
-        common = decoder_hparams(
-            hp,
-            n_ff_key="expert_feed_forward_length" if moe else "feed_forward_length",
-            n_ff_default=_expert_width(gguf) if moe else None,
-            rms_eps_default=1e-6,
-            n_ctx_default=262144,
-        )
+        hp = HParams.served(gguf, ARCHITECTURES, "qwen35")
+        moe = hp.arch in MOE
+        common = decoder_hparams(hp, experts=moe, rms_eps_default=1e-6, n_ctx_default=262144)
         n_all = common["n_layer"]
         n_nextn = hp.integer("nextn_predict_layers", 0, minimum=0, maximum=n_all - 1)
         n_layer = n_all - n_nextn
         common["n_layer"] = n_layer
-        n_expert = hp.integer("expert_count", MISSING if moe else 0, minimum=0, maximum=4096)
-        if moe and n_expert < 1:
-            raise GGUFError(f"{arch}.expert_count must be at least 1")
-        if not moe and n_expert:
-            raise GGUFError(f"a {arch} GGUF with experts: its architecture should be qwen35moe")
+        experts = experts_hparams(hp, moe=moe, moe_architecture="qwen35moe")
         n_v = hp.integer("ssm.time_step_rank", maximum=4096)
         n_k = hp.integer("ssm.group_count", maximum=4096)
         if n_v % n_k:
@@ -80,9 +60,7 @@ class Qwen35Config(DecoderConfig):
             ssm_n_v_head=n_v,
             ssm_head_k=hp.integer("ssm.state_size", maximum=1024),
             ssm_head_v=inner // n_v,
-            n_expert=n_expert,
-            n_expert_used=hp.integer("expert_used_count", maximum=n_expert) if moe else 0,
-            expert_weights_scale=hp.number("expert_weights_scale", 1.0),
+            **experts,
             n_ff_shexp=hp.integer("expert_shared_feed_forward_length", 0, minimum=0) if moe else 0,
             rope_sections=_rope_sections(hp),
         )
@@ -115,7 +93,3 @@ def _as_list(value: object) -> object:
     tolist = getattr(value, "tolist", None)
     return tolist() if callable(tolist) else value
 
-
-def _expert_width(gguf: GGUFFile) -> int | None:
-    info = gguf.tensors.get("blk.0.ffn_gate_exps.weight")
-    return info.shape[1] if info is not None and len(info.shape) == 3 else None

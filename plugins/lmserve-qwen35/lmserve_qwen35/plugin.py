@@ -3,7 +3,6 @@ and ``qwen3next`` GGUFs)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from lmserve_core import hookimpl
@@ -54,13 +53,9 @@ def conventions(gguf: GGUFFile) -> FamilyConventions:
     )
 
 
-def _model(arch: str) -> Any:
-    return importlib.import_module("lmserve_qwen35.model").Qwen35Model
-
-
 FAMILY = Family(
     "qwen35",
-    model=_model,
+    model="lmserve_qwen35.model:Qwen35Model",
     conventions=conventions,
     backends=[
         BackendSpec(

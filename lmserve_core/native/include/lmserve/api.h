@@ -13,7 +13,7 @@
 
 #include "lmserve/types.h"
 
-#define LM_KIT_ABI 4
+#define LM_KIT_ABI 5
 
 #define LM_KIT_INT(X)                                                                              \
     X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \
@@ -73,8 +73,9 @@
       (lm_base * b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,      \
        float softcap, float *logits),                                                              \
       (b, norm, eps, out, x, n, softcap, logits))                                                 \
-    X(int, lm_decoder_block, (lm_base * b, const lm_block *blk, int layer, int64_t ntok),       \
-      (b, blk, layer, ntok))                                                                       \
+    X(int, lm_decoder_block,                                                                       \
+      (lm_base * b, const lm_block *blk, int layer, int64_t r0, int64_t n),                       \
+      (b, blk, layer, r0, n))                                                                      \
     X(int, lm_decoder_chunk,                                                                       \
       (lm_base * b, const lm_decoder *d, const int32_t *tokens, int64_t ntok, float *logits,     \
        int64_t first_logit),                                                                       \

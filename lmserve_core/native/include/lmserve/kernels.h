@@ -200,7 +200,7 @@ lm_matrix lm_matrix_rows(lm_matrix m, int64_t row0, int64_t cols);
 int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float *k,
               const float *v, int64_t r0, int64_t n, float *att);
 /* y (ntok, n_embd) = self-attention of normed x (ntok, n_embd), the chunk's rows [0, ntok),
- * writing their cache rows. */
+ * writing their cache rows (or reading an earlier layer's: a->kv_shared). */
 int lm_self_attention(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t ntok,
                       float *y);
 /* y (ntok, n_embd) = the gated DeltaNet mixer of normed x (ntok, n_embd), the chunk's rows
@@ -210,18 +210,19 @@ int lm_deltanet_mixer(lm_base *b, const lm_deltanet *d, int layer, const float *
                       float *y);
 /* y (ntok, n_embd) = gated feed-forward of x. */
 int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float *y);
-/* y (ntok, n_embd) = weighted sum of each token's chosen experts. Decode reads only the
+/* y (ntok, n_embd) = weighted sum of each token's chosen experts (m's router and experts
+ * reading x through their norms when m has them). Decode reads only the
  * chosen experts' weights; a chunk groups its tokens by expert, so each chosen expert's
  * weights are streamed once per chunk. */
 int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t ntok, float *y);
 /* One token's routing: from its router logits (n_expert, overwritten by the gate's
  * probabilities), the n_used chosen experts (ties keep the lower index) and their weights,
- * by m's gating, renormalisation and scale. */
+ * by m's gating, renormalisation, scale and expert scales. */
 int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w);
 /* y (ntok, n_embd) = for each token t, the sum over its n_used choices k of
  * w[t * n_used + k] * expert ids[t * n_used + k] of m applied to row t of x (ntok, n_embd):
- * the experts of a routing made by the caller (as lm_moe_route returns it; m's router and
- * gating are not used). Same grouping as lm_moe_ffn. y may alias x; ids, w and x may lie in
+ * the experts of a routing made by the caller (as lm_moe_route returns it; m's router,
+ * gating and norms are not used). Same grouping as lm_moe_ffn. y may alias x; ids, w and x may lie in
  * the base's scratch (lm_base_tmp) carved by the caller, and are kept. LM_EINVAL for an id
  * outside [0, n_expert). */
 int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, const int32_t *ids,
@@ -229,9 +230,11 @@ int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, co
 /* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none). */
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits);
-/* One pre-norm block over b->x (b->xb is its scratch). */
-int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t ntok);
-/* A whole chunk of a pre-norm decoder: a family's forward_chunk can be this one call. */
+/* One pre-norm block over rows [r0, r0 + n) of b->x (b->xb is its scratch); its mixer and
+ * feed-forward, not its out_scale. A recurrent mixer runs from row 0 only. */
+int lm_decoder_block(lm_base *b, const lm_block *blk, int layer, int64_t r0, int64_t n);
+/* A whole chunk of a pre-norm decoder: a family's forward_chunk can be this one call. Runs
+ * the decoder's hooks and each block's out_scale. */
 int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int64_t ntok,
                      float *logits, int64_t first_logit);
 /* LM_OK when every matrix of the decoder has a type the kernels decode and every pointer is

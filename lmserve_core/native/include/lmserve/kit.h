@@ -9,8 +9,11 @@
  *
  * What a family writes: its config and weight structs (llama2.c style, a shape comment on
  * every pointer) and a build function that maps them onto the kit:
- *   - a pre-norm decoder (llama, qwen3, ...) fills the blocks of an lm_decoder_model between
- *     lm_decoder_new and lm_decoder_finish and runs on the kit's own chunk loop;
+ *   - a pre-norm decoder (llama, qwen3, qwen35, gemma3, gemma4) fills the blocks of an
+ *     lm_decoder_model between lm_decoder_new and lm_decoder_finish and runs on the kit's own
+ *     chunk loop; what its blocks do is data (lm_block: the mixer, per-layer heads, windows
+ *     and RoPE, shared caches, the feed-forward's kind and norms), and a step of its own
+ *     between the blocks is a hook of the decoder (lm_decoder: begin_chunk, after_block);
  *   - anything else fills an lm_base (lm_base_init) with its own forward_chunk, made of the
  *     layer helpers (lm_embed, lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the
  *     threaded row ops; a router of its own feeds lm_moe_experts (its routing by

@@ -85,6 +85,7 @@ enum lm_gating { LM_GATING_SOFTMAX = 0, LM_GATING_SIGMOID = 1 };
 
 typedef struct lm_pool lm_pool;
 typedef struct lm_cache lm_cache;
+typedef struct lm_base lm_base;
 typedef void (*lm_task_fn)(void *ctx, int ith, int nth);
 
 /* A weight matrix (the GGUF's bytes, mapped or copied): rows x cols of `type`, row-major,
@@ -139,12 +140,15 @@ typedef struct lm_cache_layer {
                        the layer's mixer; zero before position 0 */
 } lm_cache_layer;
 
-/* Self-attention of one layer: projections, optional per-head RMS norm of q and k, RoPE,
- * cache write, causal attention over the cache, output projection. */
+/* Self-attention of one layer: projections, optional per-head RMS norm of q, k and v, RoPE,
+ * cache write, causal attention over the cache, output projection. A layer may instead
+ * attend to an earlier layer's cache (kv_shared): it then projects queries only and writes
+ * no cache rows. */
 typedef struct lm_attn {
     lm_matrix wq;           /* (n_head * head_dim, n_embd) */
-    lm_matrix wk;           /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wv;           /* (n_kv_head * head_dim, n_embd) */
+    lm_matrix wk;           /* (n_kv_head * head_dim, n_embd); unused with kv_shared */
+    lm_matrix wv;           /* (n_kv_head * head_dim, n_embd); data NULL: the values are the
+                               keys' projection (before k_norm and RoPE) */
     lm_matrix wo;           /* (n_embd, n_head * head_dim) */
     const float *bq;        /* (n_head * head_dim) bias, or NULL */
     const float *bk;        /* (n_kv_head * head_dim) bias, or NULL */
@@ -162,6 +166,11 @@ typedef struct lm_attn {
     int gated;              /* 1: wq is (n_head * 2 * head_dim, n_embd), each head's query rows
                                then its gate rows; the attention output is multiplied by
                                sigmoid(gate) before wo */
+    int v_norm;             /* 1: every value head RMS-normalised (no weight, norm_eps) */
+    int kv_shared;          /* 0: keys and values of its own, written to its cache layer;
+                               n > 0: none, it attends to the cache of layer (its own - n), an
+                               attention layer with its own of the same heads, head width and
+                               window */
 } lm_attn;
 
 /* How a gated DeltaNet's value heads find their key head (n_v_head a multiple of n_k_head,
@@ -210,7 +219,9 @@ typedef struct lm_ffn {
 } lm_ffn;
 
 /* A mixture of gated feed-forward experts behind a router. The experts' gate and up
- * matrices are either two tensors or one fused tensor (gate_up_exps.data set). */
+ * matrices are either two tensors or one fused tensor (gate_up_exps.data set). The router
+ * reads the input x, or rmsnorm(x) * router_norm * router_scale; the experts read x, or
+ * rmsnorm(x) * norm. */
 typedef struct lm_moe {
     lm_matrix router;       /* (n_expert, n_embd) */
     lm_matrix gate_exps;    /* (n_expert, n_ff, n_embd); unused when gate_up_exps is set */
@@ -225,6 +236,11 @@ typedef struct lm_moe {
     int norm_weights;       /* renormalise the chosen weights to sum to 1 */
     float weights_scale;    /* multiplies the chosen weights (1: none) */
     int act;                /* enum lm_act */
+    const float *expert_scale; /* (n_expert) multiplies each chosen expert's weight, or NULL */
+    const float *norm;      /* (n_embd) RMS norm weight of the experts' input, or NULL: x */
+    const float *router_norm;  /* (n_embd) RMS norm weight of the router's input, or NULL: x */
+    float router_scale;     /* multiplies the router's normed input (0: 1) */
+    float norm_eps;         /* of norm and router_norm */
 } lm_moe;
 
 /* What mixes a block's tokens: self-attention over a KV cache, or a recurrent mixer. */
@@ -232,7 +248,12 @@ enum lm_mixer { LM_MIXER_ATTENTION = 0, LM_MIXER_DELTANET = 1 };
 
 /* A pre-norm decoder block:  x += post_attn_norm(mixer(rmsnorm(x) * attn_norm))
  *                            x += post_ffn_norm(ffn(rmsnorm(x) * ffn_norm))   (or the experts)
- * The post norms (Gemma's "sandwich") are skipped when NULL. */
+ * The post norms (Gemma's "sandwich") are skipped when NULL. With experts and ffn_parallel,
+ * the dense ffn and the experts run side by side, each with its own norms:
+ *   x += post_ffn_norm(post_dense_norm(ffn(rmsnorm(x) * ffn_norm))
+ *                      + post_moe_norm(experts(x)))        (moe.norm, moe.router_norm set)
+ * out_scale, when set, multiplies x at the end of the layer (lm_decoder_chunk applies it,
+ * after the decoder's after_block hook). */
 typedef struct lm_block {
     float norm_eps;           /* of every norm of the block */
     const float *attn_norm;   /* (n_embd) */
@@ -247,10 +268,22 @@ typedef struct lm_block {
                                  through, added to the routed experts' sum */
     lm_matrix shexp_gate;     /* (1, n_embd): the shared expert's output times
                                  sigmoid(shexp_gate . x); data NULL: ungated */
+    int ffn_parallel;         /* 1 (with experts): the dense ffn beside the experts */
+    const float *post_dense_norm; /* (n_embd) ffn_parallel: RMS norm of the dense output */
+    const float *post_moe_norm;   /* (n_embd) ffn_parallel: RMS norm of the experts' output */
     const float *post_ffn_norm;  /* (n_embd) RMS norm of the feed-forward output, or NULL */
+    const float *out_scale;   /* (1) multiplies the layer's output, or NULL */
 } lm_block;
 
-/* A decoder-only transformer of pre-norm blocks: embedding, blocks, final norm, output. */
+/* A decoder-only transformer of pre-norm blocks: embedding, blocks, final norm, output.
+ *
+ * A chunk runs every block over all its rows, except the trailing blocks that write no cache
+ * (attention with kv_shared): they run only over the rows whose logits are asked for.
+ * A family with a step of its own between the blocks supplies hooks (each NULL: none), given
+ * ctx; b->ext holds n_ext floats per row of the chunk for them:
+ *   begin_chunk(ctx, b, tokens, ntok)   after the embedding (b->x), before the first block
+ *   after_block(ctx, b, layer, r0, n)   after block `layer` ran rows [r0, r0 + n) of b->x,
+ *                                       before its out_scale; b->xb is free scratch */
 typedef struct lm_decoder {
     lm_matrix token_embd;     /* (n_vocab, n_embd) */
     const lm_block *blocks;   /* (n_layer) */
@@ -259,6 +292,11 @@ typedef struct lm_decoder {
     float norm_eps;           /* of the output norm */
     float embd_scale;         /* multiplies the embeddings (Gemma: sqrt(n_embd)); 0: none */
     float logit_softcap;      /* cap * tanh(logit / cap); 0: none */
+    void *ctx;                /* the family's, handed to the hooks */
+    int (*begin_chunk)(void *ctx, lm_base *b, const int32_t *tokens, int64_t ntok);
+    int (*after_block)(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n);
+    void (*free_ctx)(void *ctx);  /* frees ctx with the model (lm_decoder_model); or NULL */
+    int64_t n_ext;            /* floats per row of b->ext (0: none) */
 } lm_decoder;
 
 /* One sequence's rows of a chunk: consecutive rows at positions pos.. of its own cache. */
@@ -285,7 +323,7 @@ typedef struct lm_trace {
 } lm_trace;
 
 /* The kit's part of a family model: the family's model struct starts with it. */
-typedef struct lm_base {
+struct lm_base {
     lm_pool *pool;
     int64_t n_batch;        /* most tokens pushed through one weight pass */
     int64_t n_vocab;
@@ -297,15 +335,17 @@ typedef struct lm_base {
                                            lm_base_free */
     float *x;               /* (n_batch, n_embd) residual stream */
     float *xb;              /* (n_batch, n_embd) normed input / block output */
-    float *xs;              /* (n_batch, n_embd + 1) a shared expert's output and gate; NULL
-                               unless a block has one (lm_decoder_finish allocates it) */
+    float *xs;              /* (n_batch, n_embd + 1) a shared expert's output and gate, or
+                               the experts' output beside a dense ffn; NULL unless a block has
+                               one (lm_decoder_finish allocates it) */
+    float *ext;             /* (n_batch, lm_decoder.n_ext) the decoder hooks' rows, or NULL */
     void *tmp;              /* scratch of the kit's layer helpers, grown on demand */
     size_t tmp_bytes;
     const lm_seq *seqs;     /* (n_seqs) whose rows the running chunk holds, in order */
     int n_seqs;
     lm_trace *trace;        /* NULL unless routing is being recorded */
     int64_t trace_row;      /* first trace row of the chunk being run */
-} lm_base;
+};
 
 /* A pre-norm decoder model the kit runs whole: a family fills the blocks (and the rope
  * they point to) between lm_decoder_new and lm_decoder_finish. */
