@@ -112,16 +112,10 @@ def model_path(name: str) -> Path:
 def qwen35_synthetic() -> Any:
     """plugins/lmserve-qwen35/tests/synthetic.py, under a name of its own (the qwen3 plugin's
     tests have a ``synthetic`` module too)."""
-    name = "qwen35_synthetic"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, ROOT / "plugins" / "lmserve-qwen35" / "tests" / "synthetic.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    from lmserve_core.testing.synthetic import load_script
+
+    path = ROOT / "plugins" / "lmserve-qwen35" / "tests" / "synthetic.py"
+    return load_script("qwen35_synthetic", path)
 
 
 def load(path: Path, threads: int) -> Any:

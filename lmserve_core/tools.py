@@ -120,6 +120,7 @@ class MarkerRegionParser:
         self._space = ""  # trailing whitespace held back
         self._gap = ""  # whitespace before the open region: text again if it is no call
         self._scan = 0  # inside: where the search for the closing marker goes on
+        self._in_span = False  # inside: within a span the closing marker may not end
 
     # ------------------------------------------------------------------ hooks
 
@@ -142,6 +143,31 @@ class MarkerRegionParser:
     def begin_region(self) -> None:
         """A region opened (or the reply ended): forget the previous one's scan state."""
         self._scan = 0
+        self._in_span = False
+
+    def close_outside(self, region: str, span_open: str, span_close: str) -> int:
+        """:meth:`close_at` for regions whose spans from ``span_open`` to ``span_close``
+        (quoted strings, parameter values) may hold the closing marker as text: the first
+        closing marker outside every span."""
+        i = self._scan
+        while True:
+            if self._in_span:
+                j = region.find(span_close, i)
+                if j < 0:
+                    self._scan = max(i, len(region) - len(span_close) + 1)
+                    return -1
+                i, self._in_span = j + len(span_close), False
+                continue
+            start = region.find(span_open, i)
+            close = region.find(self.close, i)
+            if close >= 0 and (start < 0 or close < start):
+                return close
+            if start >= 0:
+                i, self._in_span = start + len(span_open), True
+                continue
+            # a marker that starts before this point would have been found whole
+            self._scan = max(i, len(region) - max(len(span_open), len(self.close)) + 1)
+            return -1
 
     # ------------------------------------------------------------------ streaming
 
@@ -534,36 +560,13 @@ class QwenXmlParser(MarkerRegionParser):
     ) -> None:
         super().__init__(open_marker, close_marker)
         self._tools = None if tools is None else {t.name: t.parameters or {} for t in tools}
-        self._in_value = False  # the scan for the closing marker stands inside a value
 
     def parse_region(self, body: str) -> ToolCall | None:
         return parse_xml_call(body, self._tools)
 
-    def begin_region(self) -> None:
-        super().begin_region()
-        self._in_value = False
-
     def close_at(self, region: str) -> int:
-        i = self._scan
-        while True:
-            if self._in_value:
-                j = region.find(XML_PARAMETER_END, i)
-                if j < 0:
-                    self._scan = max(i, len(region) - len(XML_PARAMETER_END) + 1)
-                    return -1
-                i, self._in_value = j + len(XML_PARAMETER_END), False
-                continue
-            value = region.find(XML_PARAMETER, i)
-            close = region.find(self.close, i)
-            if close >= 0 and (value < 0 or close < value):
-                return close
-            if value >= 0:
-                i, self._in_value = value + len(XML_PARAMETER), True
-                continue
-            # a marker that starts before this point would have been found whole
-            longest = max(len(XML_PARAMETER), len(self.close))
-            self._scan = max(i, len(region) - longest + 1)
-            return -1
+        # a parameter's value may hold the closing marker as text (code, for one)
+        return self.close_outside(region, XML_PARAMETER, XML_PARAMETER_END)
 
 
 # Free text for a string value: anything without the closing tag, then the closing tag.

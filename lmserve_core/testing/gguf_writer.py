@@ -257,10 +257,17 @@ TYPE_NAMES: dict[str, T] = {
 
 
 def add_arch_metadata(writer: GGUFWriter, arch: str, keys: Mapping[str, Any]) -> None:
-    """Write ``{arch}.{key}`` for every key: strings, floats (f32), bools, lists (arrays) and
-    integers (u32), the types llama.cpp's converter uses for hyper-parameters."""
-    for key, value in keys.items():
-        full = f"{arch}.{key}"
+    """Write ``{arch}.{key}`` for every key (:func:`add_values`)."""
+    add_values(writer, {f"{arch}.{key}": value for key, value in keys.items()})
+
+
+def add_values(writer: GGUFWriter, keys: Mapping[str, Any]) -> None:
+    """Write every key: strings, floats (f32), bools, lists (arrays) and integers (u32), the
+    types llama.cpp's converter uses for hyper-parameters; numpy values as their Python
+    ones."""
+    for full, value in keys.items():
+        if hasattr(value, "tolist"):
+            value = value.tolist()
         if isinstance(value, str):
             writer.add_string(full, value)
         elif isinstance(value, bool):

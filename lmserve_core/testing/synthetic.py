@@ -374,3 +374,19 @@ def main(
         if key in meta:
             print(f"{key}: {meta[key]}")
     return 0
+
+
+def load_script(name: str, path: str | Path) -> Any:
+    """A family's ``tests/synthetic.py`` imported under a name of its own (several families'
+    tests, collected by one pytest session, each have a ``synthetic`` module): loaded once,
+    then the same module."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(path))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -253,35 +253,13 @@ class Gemma4Parser(MarkerRegionParser):
 
     def __init__(self) -> None:
         super().__init__(CALL_OPEN, CALL_CLOSE)
-        self._quoted = False  # inside: the search stands within a <|"|> string
 
     def parse_region(self, body: str) -> ToolCall | None:
         return parse_call(body.strip())
 
-    def begin_region(self) -> None:
-        super().begin_region()
-        self._quoted = False
-
     def close_at(self, region: str) -> int:
-        i = self._scan
-        while True:
-            if self._quoted:
-                j = region.find(QUOTE, i)
-                if j < 0:
-                    self._scan = max(i, len(region) - len(QUOTE) + 1)
-                    return -1
-                i, self._quoted = j + len(QUOTE), False
-                continue
-            quote = region.find(QUOTE, i)
-            close = region.find(CALL_CLOSE, i)
-            if close >= 0 and (quote < 0 or close < quote):
-                return close
-            if quote >= 0:
-                i, self._quoted = quote + len(QUOTE), True
-                continue
-            # a marker that starts before this point would have been found whole
-            self._scan = max(i, len(region) - len(CALL_CLOSE) + 1)
-            return -1
+        # a quoted string may hold the closing marker as text
+        return self.close_outside(region, QUOTE, QUOTE)
 
 
 # ---------------------------------------------------------------------------- grammar

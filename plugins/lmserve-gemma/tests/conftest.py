@@ -27,31 +27,14 @@ and one pytest session collects both folders.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from lmserve_core.testing.synthetic import skipping_factory
+from lmserve_core.testing.synthetic import load_script, skipping_factory
 
-
-def _load_synthetic() -> ModuleType:
-    name = "gemma_synthetic"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("synthetic.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-synthetic_module = _load_synthetic()
+synthetic_module = load_script("gemma_synthetic", Path(__file__).with_name("synthetic.py"))
 SyntheticModel = synthetic_module.SyntheticModel
 Factory = Callable[..., SyntheticModel]
 

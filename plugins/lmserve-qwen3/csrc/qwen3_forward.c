@@ -15,24 +15,7 @@
 
 /* The feed-forward half of a layer: dense, or a router over experts. */
 static void qwen3_mlp(lm_block *b, const qwen3_config *c, const qwen3_layer *L) {
-    if (c->n_expert == 0) {
-        b->ffn = (lm_ffn){L->ffn_gate, L->ffn_up, L->ffn_down, c->dims.n_ff, LM_ACT_SILU};
-        return;
-    }
-    b->moe = (lm_moe){
-        .router = L->ffn_gate_inp,
-        .gate_exps = L->ffn_gate_exps,
-        .up_exps = L->ffn_up_exps,
-        .gate_up_exps = L->ffn_gate_up_exps,
-        .down_exps = L->ffn_down_exps,
-        .n_expert = c->n_expert,
-        .n_used = c->n_expert_used,
-        .n_ff = c->dims.n_ff,
-        .gating = LM_GATING_SOFTMAX,
-        .norm_weights = 1,
-        .weights_scale = c->expert_weights_scale,
-        .act = LM_ACT_SILU,
-    };
+    LM_SILU_MLP(b, L, c->dims.n_ff, c->n_expert, c->n_expert_used, c->expert_weights_scale);
 }
 
 int qwen3_build(const qwen3_config *config, const qwen3_weights *weights, int n_threads,

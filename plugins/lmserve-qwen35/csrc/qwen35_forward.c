@@ -16,25 +16,8 @@
 #include <math.h>
 
 static void qwen35_mlp(lm_block *b, const qwen35_config *c, const qwen35_layer *L) {
-    if (c->n_expert == 0) {
-        b->ffn = (lm_ffn){L->ffn_gate, L->ffn_up, L->ffn_down, c->dims.n_ff, LM_ACT_SILU};
-        return;
-    }
-    b->moe = (lm_moe){
-        .router = L->ffn_gate_inp,
-        .gate_exps = L->ffn_gate_exps,
-        .up_exps = L->ffn_up_exps,
-        .gate_up_exps = L->ffn_gate_up_exps,
-        .down_exps = L->ffn_down_exps,
-        .n_expert = c->n_expert,
-        .n_used = c->n_expert_used,
-        .n_ff = c->dims.n_ff,
-        .gating = LM_GATING_SOFTMAX,
-        .norm_weights = 1,
-        .weights_scale = c->expert_weights_scale,
-        .act = LM_ACT_SILU,
-    };
-    if (c->n_ff_shexp > 0) {
+    LM_SILU_MLP(b, L, c->dims.n_ff, c->n_expert, c->n_expert_used, c->expert_weights_scale);
+    if (c->n_expert > 0 && c->n_ff_shexp > 0) {
         b->shexp = (lm_ffn){L->ffn_gate_shexp, L->ffn_up_shexp, L->ffn_down_shexp, c->n_ff_shexp,
                             LM_ACT_SILU};
         b->shexp_gate = L->ffn_gate_inp_shexp;

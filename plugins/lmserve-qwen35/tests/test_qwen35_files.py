@@ -15,6 +15,7 @@ from gguf import GGUFWriter
 from lmserve_qwen35.model import Qwen35Model
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.testing.gguf_writer import add_values
 from lmserve_core.tokenizer import Tokenizer
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -35,21 +36,8 @@ def rewrite(
         writer = GGUFWriter(str(dst), arch)
         values = {k: v for k, v in gguf.metadata.items() if not k.startswith("general.architecture")}
         values.update(meta or {})
-        for key, value in values.items():
-            if value is None or key.startswith("GGUF."):
-                continue
-            if hasattr(value, "tolist"):
-                value = value.tolist()
-            if isinstance(value, str):
-                writer.add_string(key, value)
-            elif isinstance(value, bool):
-                writer.add_bool(key, value)
-            elif isinstance(value, float):
-                writer.add_float32(key, value)
-            elif isinstance(value, list | tuple):
-                writer.add_array(key, list(value))
-            else:
-                writer.add_uint32(key, int(value))
+        add_values(writer, {k: v for k, v in values.items()
+                            if v is not None and not k.startswith("GGUF.")})
         for name, info in gguf.tensors.items():
             if drop(name):
                 continue

@@ -48,6 +48,30 @@ LM_KIT_VOID(LM_KIT_WRAP_VOID)
         if (lm_rc_ != LM_OK) return lm_rc_;                                                        \
     } while (0)
 
+/* The feed-forward half of a block whose layer table L uses the standard field names
+ * (ffn_gate / ffn_up / ffn_down; ffn_gate_inp and ffn_{gate,up,gate_up,down}_exps): a SiLU
+ * MLP of width n_ff when n_expert is 0, else n_expert SiLU experts of width n_ff behind a
+ * softmax router, the top n_used renormalised to sum to 1 and times `scale` (Qwen's). */
+#define LM_SILU_MLP(b, L, n_ff_, n_expert_, n_used_, scale_)                                       \
+    do {                                                                                           \
+        if ((n_expert_) == 0) {                                                                    \
+            (b)->ffn = (lm_ffn){(L)->ffn_gate, (L)->ffn_up, (L)->ffn_down, (n_ff_), LM_ACT_SILU}; \
+        } else {                                                                                   \
+            (b)->moe = (lm_moe){.router = (L)->ffn_gate_inp,                                       \
+                                .gate_exps = (L)->ffn_gate_exps,                                   \
+                                .up_exps = (L)->ffn_up_exps,                                       \
+                                .gate_up_exps = (L)->ffn_gate_up_exps,                             \
+                                .down_exps = (L)->ffn_down_exps,                                   \
+                                .n_expert = (n_expert_),                                           \
+                                .n_used = (n_used_),                                               \
+                                .n_ff = (n_ff_),                                                   \
+                                .gating = LM_GATING_SOFTMAX,                                       \
+                                .norm_weights = 1,                                                 \
+                                .weights_scale = (scale_),                                         \
+                                .act = LM_ACT_SILU};                                               \
+        }                                                                                          \
+    } while (0)
+
 /* 1 when m is a matrix of a type the kernels decode with rows of `cols` elements. */
 static inline int lm_matrix_ok(lm_matrix m, int64_t cols) {
     return m.data != NULL && lm_row_bytes(m.type, cols) > 0;
