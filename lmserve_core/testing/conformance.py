@@ -132,13 +132,24 @@ class FamilyConformance:
                 ids = subject.ids(prompt)
                 with subject.rounding(kv):
                     want = reference_greedy(subject.hf, ids, self.GREEDY_TOKENS, exact=True)
-                assert greedy(subject.model(kv), ids, self.GREEDY_TOKENS) == want, (kv, prompt)
+                got = greedy(subject.model(kv), ids, self.GREEDY_TOKENS)
+                if got == want:
+                    continue
+                # only a near tie may flip a choice: at the first divergence the reference's
+                # two candidates lie within the logits' bound of each other
+                k = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+                ref = subject.theirs(ids + want[:k], kv)[-1]
+                gap = abs(float(ref[want[k]]) - float(ref[got[k]]))
+                print(f"{kv}: diverges at {k} ({got[k]} against {want[k]}), gap {gap:.3g}")
+                assert gap <= 2 * self.LOGIT_ATOL[kv], (kv, prompt)
 
     # ------------------------------------------------------------------ cache paths
 
     def test_prefill_equals_token_by_token_decode(self, subject: Subject) -> None:
+        # f32 KV: a prompt's pass attends over the rows it computed, decode over stored ones
         ids = subject.ids(self.PROMPTS[0])
-        diff = float(np.abs(subject.mine(ids) - stepped_logits(subject.model(), ids)).max())
+        stepped = stepped_logits(subject.model("f32"), ids)
+        diff = float(np.abs(subject.mine(ids, "f32") - stepped).max())
         assert diff <= self.PATH_ATOL
 
     def test_batched_decode_equals_each_sequence_alone(self, subject: Subject) -> None:
@@ -147,7 +158,7 @@ class FamilyConformance:
     def test_resumed_cache_equals_cold(self, subject: Subject) -> None:
         # a prompt read in several chunks; its cache cut back to what it can reuse of a
         # shorter common prefix; the rest read again, also into a copy of that prefix
-        model = subject.model(n_batch=16)
+        model = subject.model("f32", n_batch=16)
         ids = subject.ids(self.PROMPTS[0] + self.PROMPTS[1])
         n = len(ids)
         cold = model.forward(model.new_cache(n), ids, 0, all_logits=True)
@@ -166,7 +177,7 @@ class FamilyConformance:
             assert np.abs(warm - cold[m:]).max() <= self.PATH_ATOL
 
     def test_snapshot_restored_equals_cold(self, subject: Subject) -> None:
-        model = subject.model()
+        model = subject.model("f32")
         ids = subject.ids(self.PROMPTS[1] + self.PROMPTS[2])
         n = len(ids)
         cold = model.forward(model.new_cache(n + 4), ids + ids[:4], 0, all_logits=True)[n:]
@@ -217,11 +228,24 @@ class FamilyConformance:
         for one, both in zip(alone, together, strict=True):
             choices = both["choices"]
             assert len(choices) == 2
+            want = one["choices"][0]["logprobs"]["content"]
             for choice in choices:
-                assert choice["message"]["content"] == one["choices"][0]["message"]["content"]
-                got = [t["logprob"] for t in choice["logprobs"]["content"]]
-                want = [t["logprob"] for t in one["choices"][0]["logprobs"]["content"]]
-                np.testing.assert_allclose(got, want, atol=1e-4)
+                got = choice["logprobs"]["content"]
+                # the same tokens, or the same up to a near tie of the lone request's two best
+                # (the prompt was read in other slices into the f16 cache: summation order and
+                # the half-precision rounding boundaries it flips)
+                pairs = enumerate(zip(got, want, strict=False))
+                n = next((i for i, (a, b) in pairs if a["token"] != b["token"]), None)
+                if n is None:
+                    assert len(got) == len(want)
+                    n = len(got)
+                else:
+                    best = [t["logprob"] for t in want[n]["top_logprobs"][:2]]
+                    assert best[0] - best[1] <= 2 * self.LOGIT_ATOL["f16"], n
+                np.testing.assert_allclose(
+                    [t["logprob"] for t in got[:n]], [t["logprob"] for t in want[:n]],
+                    atol=self.LOGIT_ATOL["f16"],
+                )
 
     def test_disk_tier_restores_across_a_restart(self, subject: Subject, tmp_path: Any) -> None:
         if subject.create_backend is None:
@@ -280,6 +304,7 @@ class FamilyConformance:
             "temperature": 0,
             "n": n,
             "logprobs": logprobs,
+            "top_logprobs": 2 if logprobs else None,
             "chat_template_kwargs": {"enable_thinking": False},
         }
         r = client.post("/v1/chat/completions", json=body)
