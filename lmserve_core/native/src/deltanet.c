@@ -124,7 +124,7 @@ int lm_deltanet_check(const lm_base *b, const lm_deltanet *d, int layer) {
         (d->head_map != LM_HEADS_TILED && d->head_map != LM_HEADS_GROUPED) || d->conv == NULL ||
         d->a == NULL || d->dt_bias == NULL || d->norm == NULL)
         return LM_EINVAL;
-    const int64_t D = b->n_embd, C = dn_conv_dim(d), VD = (int64_t)d->n_v_head * d->head_v;
+    const int64_t D = b->n_embd, VD = (int64_t)d->n_v_head * d->head_v;
     if (lm_row_bytes(d->wqkv.type, D) <= 0 || d->wqkv.data == NULL || d->wz.data == NULL ||
         lm_row_bytes(d->wz.type, D) <= 0 || d->wo.data == NULL || lm_row_bytes(d->wo.type, VD) <= 0)
         return LM_ETYPE;
@@ -134,7 +134,6 @@ int lm_deltanet_check(const lm_base *b, const lm_deltanet *d, int layer) {
                lm_row_bytes(d->wb.type, D) <= 0) {
         return LM_ETYPE;
     }
-    (void)C;
     if (layer >= 0 && layer < b->n_layer) {
         const lm_cache_layer *g = &b->cache_layers[layer];
         if (g->state != dn_state_size(d)) return LM_EMISMATCH;
