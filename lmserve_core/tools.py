@@ -356,7 +356,9 @@ _ANNOTATIONS = frozenset(
 _NOT_JSON = object()
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any, *, integral_floats: bool = False) -> str:
+    """The JSON schema type of a parsed value; ``integral_floats``: a float with no fraction
+    counts as an integer (JSON schema's own rule, which a schema check wants)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -364,7 +366,7 @@ def _json_type(value: Any) -> str:
     if isinstance(value, int):
         return "integer"
     if isinstance(value, float):
-        return "number"
+        return "integer" if integral_floats and value.is_integer() else "number"
     if isinstance(value, str):
         return "string"
     return "array" if isinstance(value, list | tuple) else "object"
@@ -373,7 +375,7 @@ def _json_type(value: Any) -> str:
 def _admits(types: Collection[str], value: Any) -> bool:
     """Whether a value of these JSON types may be ``value`` (an integral number is also
     an integer, any integer also a number)."""
-    kind = _json_type(value)
+    kind = json_type(value)
     if kind == "integer":
         return "integer" in types or "number" in types
     if kind == "number":
@@ -406,9 +408,9 @@ def _value_types(
     if not isinstance(schema, Mapping):
         return _JSON_TYPES
     if "const" in schema:
-        return frozenset({_json_type(schema["const"])})
+        return frozenset({json_type(schema["const"])})
     if isinstance(schema.get("enum"), list):
-        return frozenset(_json_type(v) for v in schema["enum"])
+        return frozenset(json_type(v) for v in schema["enum"])
     ref = schema.get("$ref")
     if isinstance(ref, str):
         target = None if ref in seen else _resolve(root, ref)
@@ -707,7 +709,7 @@ class _XmlGrammar:
                 continue
             text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
             back = xml_value(text, types)
-            if XML_PARAMETER_END not in text and _json_type(back) == _json_type(v) and back == v:
+            if XML_PARAMETER_END not in text and json_type(back) == json_type(v) and back == v:
                 literals.append(_lit(text + _XML_VALUE_END))
         if not literals:
             raise ValueError("no value of an enum can be written in an XML tool call")

@@ -12,6 +12,8 @@ import re
 from typing import Any
 
 import pytest
+from test_tools import parse_in_pieces as parse_with
+from test_tools import splits
 
 from lmserve_core.chat_template import ChatTemplate, message_dicts, tool_dicts
 from lmserve_core.request import Message, Tool, ToolCall
@@ -81,23 +83,7 @@ def inner(region: str) -> str:
 def parse_in_pieces(
     pieces: list[str], tools: list[Tool] | None = TOOLS
 ) -> tuple[str, list[tuple[str, Any]]]:
-    parser = QWEN_XML.parser(tools)
-    text, calls = "", []
-    for piece in pieces:
-        t, c = parser.feed(piece)
-        text += t
-        calls += c
-    t, c = parser.flush()
-    return text + t, [(x.name, json.loads(x.arguments)) for x in calls + c]
-
-
-def splits(text: str, n: int) -> list[list[str]]:
-    """Every way of cutting ``text`` into n pieces."""
-    out = []
-    for cuts in itertools.combinations(range(len(text) + 1), n - 1):
-        bounds = [0, *cuts, len(text)]
-        out.append([text[a:b] for a, b in itertools.pairwise(bounds)])
-    return out
+    return parse_with(QWEN_XML, pieces, tools)
 
 
 def random_splits(text: str, count: int, seed: int) -> list[list[str]]:

@@ -28,8 +28,10 @@ CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n
 CALL_B = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 
-def parse_in_pieces(convention: Any, pieces: list[str]) -> tuple[str, list[tuple[str, Any]]]:
-    parser = convention.parser()
+def parse_in_pieces(
+    convention: Any, pieces: list[str], tools: Any = None
+) -> tuple[str, list[tuple[str, Any]]]:
+    parser = convention.parser(tools)
     text, calls = "", []
     for piece in pieces:
         t, c = parser.feed(piece)

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmserve_core.request import ToolCall
-from lmserve_core.tools import MarkerRegionParser, call_id
+from lmserve_core.tools import MarkerRegionParser, call_id, json_type
 
 if TYPE_CHECKING:
     from lmserve_core.request import Tool
@@ -316,24 +316,10 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def _type_of(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "integer" if value.is_integer() else "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list | tuple):
-        return "array"
-    return "object"
 
 
 def _has_type(value: Any, types: Sequence[str]) -> bool:
-    kind = _type_of(value)
+    kind = json_type(value, integral_floats=True)
     return kind in types or (kind == "integer" and "number" in types)
 
 
