@@ -41,7 +41,7 @@ from lmserve_core.testing.numerics import (
     stepped_logits,
 )
 
-__all__ = ["FamilyConformance", "Subject"]
+__all__ = ["FamilyConformance", "Subject", "check_routing", "synthetic_subjects"]
 
 
 @dataclass
@@ -81,6 +81,84 @@ class Subject:
     def mine(self, ids: Sequence[int], kv: str = "f16") -> np.ndarray:
         model = self.model(kv)
         return model.forward(model.new_cache(len(ids) + 8), list(ids), 0, all_logits=True)
+
+
+def synthetic_subjects(
+    load: Callable[..., Any],
+    create_backend: Callable[..., Any],
+    half_precision_kv: Callable[[str, Any], Any],
+    *,
+    prepare_hf: Callable[[Any], None] = lambda hf: None,
+) -> Callable[..., Subject]:
+    """``subject(synthetic, kind, type="f32")``: the synthetic model ``synthetic(kind=kind,
+    type=type)`` (``synthetic`` the family's fixture) as a :class:`Subject`, loaded once per
+    session. ``load(kind, gguf, kv_type=, n_batch=)`` builds our model on the opened file;
+    ``half_precision_kv(kind, hf)`` is the reference's context for an f16 cache;
+    ``prepare_hf(hf)`` adjusts the loaded transformers model."""
+    from lmserve_core.gguf_file import GGUFFile
+    from lmserve_core.tokenizer import Tokenizer
+
+    subjects: dict[tuple[str, str], Subject] = {}
+
+    def subject(synthetic: Callable[..., Any], kind: str, type: str = "f32") -> Subject:
+        key = (kind, type)
+        if key not in subjects:
+            model = synthetic(kind=kind, type=type)
+            path, _ = model
+            gguf = GGUFFile.open(path)
+            hf = model.load_hf()
+            prepare_hf(hf)
+
+            def rounding(kv: str) -> Any:
+                return half_precision_kv(kind, hf) if kv == "f16" else contextlib.nullcontext()
+
+            subjects[key] = Subject(
+                path=str(path),
+                load=lambda kv_type="f16", n_batch=256: load(
+                    kind, gguf, kv_type=kv_type, n_batch=n_batch
+                ),
+                hf=hf,
+                tokenizer=Tokenizer.from_gguf(gguf),
+                rounding=rounding,
+                create_backend=create_backend,
+                of_type=lambda t: subject(synthetic, kind, t),
+            )
+        return subjects[key]
+
+    return subject
+
+
+def check_routing(
+    subject: Subject, gates: Sequence[Any], ids: Sequence[int], *, atol: float
+) -> Any:
+    """Our experts and their weights for every layer and token equal those transformers'
+    routers ``gates`` (one a layer; each returns ``(logits, weights, chosen)``) pick on the
+    same prompt, f32 KV; returns our routing."""
+    routed: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def record(_module: Any, _inputs: Any, output: Any) -> None:
+        _, weights, chosen = output
+        routed.append((chosen.numpy(), weights.float().numpy()))
+
+    hooks = [gate.register_forward_hook(record) for gate in gates]
+    try:
+        subject.theirs(ids, "f32")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    model = subject.model("f32")
+    _, routing = model.forward_traced(model.new_cache(len(ids)), list(ids), 0)
+    c = model.config
+    assert routing.ids.shape == (c.n_layer, len(ids), c.n_expert_used)
+    assert len(routed) == c.n_layer
+    for layer, (chosen, weights) in enumerate(routed):
+        # the same experts (as sets: torch.topk may order equal weights either way)
+        assert (np.sort(routing.ids[layer], axis=1) == np.sort(chosen, axis=1)).all(), layer
+        ours = np.take_along_axis(routing.weights[layer], np.argsort(routing.ids[layer]), 1)
+        theirs = np.take_along_axis(weights, np.argsort(chosen, axis=1), axis=1)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=atol)
+    print(f"routing: {c.n_layer} layers x {len(ids)} tokens x top-{c.n_expert_used} identical")
+    return routing
 
 
 class FamilyConformance:
@@ -208,7 +286,7 @@ class FamilyConformance:
         # a draft model (the model drafting for itself) takes the same path
         assert self._replies(subject, prompts, spec=True, draft=True) == plain
         # the second round reused what the first left (every slot holds a conversation)
-        assert all(cached > 0 for _, cached in spec[len(prompts):])
+        assert all(cached > 0 for _, cached in spec[len(prompts) :])
 
     def test_batched_choices_and_logprobs_equal_alone(self, subject: Subject) -> None:
         # concurrent requests decode in one batch; n choices share their prompt's rows; the
@@ -221,9 +299,10 @@ class FamilyConformance:
             pytest.skip("the subject has no backend factory")
         prompts = ["Name a color.", "Count from one to ten in words.", "Say hello."]
         alone = [self._ask(subject, [p], batch=1)[0] for p in prompts]
-        with self._client(subject, batch=4) as client, concurrent.futures.ThreadPoolExecutor(
-            len(prompts)
-        ) as pool:
+        with (
+            self._client(subject, batch=4) as client,
+            concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool,
+        ):
             together = list(pool.map(lambda p: self._post(client, p, n=2, logprobs=True), prompts))
         for one, both in zip(alone, together, strict=True):
             choices = both["choices"]
@@ -243,7 +322,8 @@ class FamilyConformance:
                     best = [t["logprob"] for t in want[n]["top_logprobs"][:2]]
                     assert best[0] - best[1] <= 2 * self.LOGIT_ATOL["f16"], n
                 np.testing.assert_allclose(
-                    [t["logprob"] for t in got[:n]], [t["logprob"] for t in want[:n]],
+                    [t["logprob"] for t in got[:n]],
+                    [t["logprob"] for t in want[:n]],
                     atol=self.LOGIT_ATOL["f16"],
                 )
 
@@ -273,7 +353,12 @@ class FamilyConformance:
         ]
 
     def _client(
-        self, subject: Subject, *, batch: int, spec: bool = False, draft: bool = False,
+        self,
+        subject: Subject,
+        *,
+        batch: int,
+        spec: bool = False,
+        draft: bool = False,
         disk: Any = None,
     ) -> Any:
         from lmserve_core.backend import ServerSettings
@@ -290,8 +375,14 @@ class FamilyConformance:
         return serve(subject.create_backend(subject.path, settings), settings)
 
     def _ask(
-        self, subject: Subject, prompts: Sequence[str], *, batch: int, spec: bool = False,
-        draft: bool = False, disk: Any = None,
+        self,
+        subject: Subject,
+        prompts: Sequence[str],
+        *,
+        batch: int,
+        spec: bool = False,
+        draft: bool = False,
+        disk: Any = None,
     ) -> list[dict[str, Any]]:
         with self._client(subject, batch=batch, spec=spec, draft=draft, disk=disk) as client:
             return [self._post(client, p, logprobs=True) for p in prompts]
@@ -311,4 +402,3 @@ class FamilyConformance:
         assert r.status_code == 200, r.text
         data: dict[str, Any] = r.json()
         return data
-

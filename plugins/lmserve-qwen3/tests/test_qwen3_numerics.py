@@ -39,14 +39,16 @@ from lmserve_qwen3.plugin import create_backend  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
-from lmserve_core.gguf_file import GGUFFile  # noqa: E402
-from lmserve_core.testing.conformance import FamilyConformance, Subject  # noqa: E402
+from lmserve_core.testing.conformance import (  # noqa: E402
+    FamilyConformance,
+    Subject,
+    check_routing,
+    synthetic_subjects,
+)
 from lmserve_core.testing.numerics import (  # noqa: E402
     f32_reference_path,  # noqa: F401 (an autouse fixture: f32 activations throughout)
     one_torch_thread,  # noqa: F401 (an autouse fixture: torch on one thread)
-    reference_loader,
 )
-from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -99,54 +101,11 @@ def half_precision_kv(model: Any) -> Iterator[None]:
             hook.remove()
 
 
-class Reference:
-    """One synthetic model: ours on the GGUF, transformers on the same weights."""
-
-    def __init__(self, kind: str, model: Any) -> None:
-        path, _ = model
-        self.kind = kind
-        self.gguf = GGUFFile.open(path)
-        self.ours = Qwen3Model.load(self.gguf, n_threads=2)  # the default f16 cache
-        self.ours32 = Qwen3Model.load(self.gguf, n_threads=2, kv_type="f32")
-        self.hf = model.load_hf()
-        self.tokenizer = Tokenizer.from_gguf(self.gguf)
-
-    def ids(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
-
-    def model(self, kv: str) -> Qwen3Model:
-        return self.ours if kv == "f16" else self.ours32
-
-    def rounding(self, kv: str) -> Any:
-        """The reference's computation for a cache of type ``kv``."""
-        return half_precision_kv(self.hf) if kv == "f16" else contextlib.nullcontext()
-
-    def theirs(self, ids: list[int], kv: str = "f16") -> np.ndarray:
-        with torch.no_grad(), self.rounding(kv):
-            return self.hf(torch.tensor([ids])).logits[0].float().numpy()
-
-    def mine(self, ids: list[int], kv: str = "f16") -> np.ndarray:
-        model = self.model(kv)
-        return model.forward(model.new_cache(len(ids)), ids, 0, all_logits=True)
-
-
-reference = reference_loader(Reference)
-
-
-def subject(synthetic: Any, kind: str, type: str = "f32") -> Subject:
-    """One synthetic model as the conformance suite sees it."""
-    ref = reference(synthetic, kind, type)
-    return Subject(
-        path=ref.gguf.path,
-        load=lambda kv_type="f16", n_batch=256: Qwen3Model.load(
-            ref.gguf, n_threads=2, kv_type=kv_type, n_batch=n_batch
-        ),
-        hf=ref.hf,
-        tokenizer=ref.tokenizer,
-        rounding=ref.rounding,
-        create_backend=create_backend,
-        of_type=lambda t: subject(synthetic, kind, t),
-    )
+subject = synthetic_subjects(
+    lambda kind, gguf, **options: Qwen3Model.load(gguf, n_threads=2, **options),
+    create_backend,
+    lambda kind, hf: half_precision_kv(hf),
+)
 
 
 class TestQwen3Conformance(FamilyConformance):
@@ -168,25 +127,29 @@ class TestQwen3Conformance(FamilyConformance):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_half_precision_storage_moves_logits_little(kind: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
+    ref = subject(synthetic, kind)
     ids = ref.ids(PROMPTS[0] + PROMPTS[2])
     got, exact = ref.mine(ids, "f16"), ref.theirs(ids, "f32")
     diff = float(np.abs(got - exact).max())
-    print(f"{kind}: f16 KV vs unrounded float32 max |diff| {diff:.3g}, "
-          f"max |logit| {np.abs(exact).max():.1f}")
+    print(
+        f"{kind}: f16 KV vs unrounded float32 max |diff| {diff:.3g}, "
+        f"max |logit| {np.abs(exact).max():.1f}"
+    )
     assert diff <= F16_STORAGE_ATOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_teacher_forced_top1_agreement(kind: str, synthetic: Any) -> None:
-    ref = reference(synthetic, kind)
+    ref = subject(synthetic, kind)
     ids = ref.tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_special=True)[:256]
     assert len(ids) >= 200
     for kv in KV_TYPES:
         got, want = ref.mine(ids, kv), ref.theirs(ids, kv)
         agreement = float((got.argmax(axis=1) == want.argmax(axis=1)).mean())
-        print(f"{kind} {kv} KV: top-1 agreement over {len(ids)} tokens {agreement:.2%}, "
-              f"max |diff| {np.abs(got - want).max():.3g}")
+        print(
+            f"{kind} {kv} KV: top-1 agreement over {len(ids)} tokens {agreement:.2%}, "
+            f"max |diff| {np.abs(got - want).max():.3g}"
+        )
         assert agreement == 1.0
 
 
@@ -194,30 +157,8 @@ def test_teacher_forced_top1_agreement(kind: str, synthetic: Any) -> None:
 
 
 def test_moe_routing_matches_transformers(synthetic: Any) -> None:
-    ref = reference(synthetic, "qwen3moe")
+    ref = subject(synthetic, "qwen3moe")
     ids = ref.ids(PROMPTS[0] + PROMPTS[2] + PROMPTS[3])
-    routed: list[tuple[np.ndarray, np.ndarray]] = []
-
-    def record(_module: Any, _inputs: Any, output: Any) -> None:
-        _, weights, chosen = output
-        routed.append((chosen.numpy(), weights.float().numpy()))
-
-    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in ref.hf.model.layers]
-    try:
-        ref.theirs(ids, "f32")
-    finally:
-        for hook in hooks:
-            hook.remove()
-    _, routing = ref.ours32.forward_traced(ref.ours32.new_cache(len(ids)), ids, 0)
-    n_used = ref.ours.config.n_expert_used
-    assert routing.ids.shape == (ref.ours.config.n_layer, len(ids), n_used)
-    for layer, (chosen, weights) in enumerate(routed):
-        # same experts (as sets: torch.topk may order equal weights either way)
-        assert (np.sort(routing.ids[layer], axis=1) == np.sort(chosen, axis=1)).all(), layer
-        order_ours = np.argsort(routing.ids[layer], axis=1)
-        order_ref = np.argsort(chosen, axis=1)
-        ours_w = np.take_along_axis(routing.weights[layer], order_ours, axis=1)
-        ref_w = np.take_along_axis(weights, order_ref, axis=1)
-        np.testing.assert_allclose(ours_w, ref_w, rtol=0, atol=1e-4)
-        np.testing.assert_allclose(routing.weights[layer].sum(axis=1), 1.0, atol=1e-5)
-    print(f"routing: {len(routed)} layers x {len(ids)} tokens x top-{n_used} identical")
+    gates = [layer.mlp.gate for layer in ref.hf.model.layers]
+    routing = check_routing(ref, gates, ids, atol=1e-4)
+    np.testing.assert_allclose(routing.weights.sum(axis=2), 1.0, atol=1e-5)

@@ -31,13 +31,15 @@ from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
-from lmserve_core.gguf_file import GGUFFile  # noqa: E402
-from lmserve_core.testing.conformance import FamilyConformance, Subject  # noqa: E402
+from lmserve_core.testing.conformance import (  # noqa: E402
+    FamilyConformance,
+    Subject,
+    synthetic_subjects,
+)
 from lmserve_core.testing.numerics import (  # noqa: E402
     f32_reference_path,  # noqa: F401 (an autouse fixture: f32 activations throughout)
     one_torch_thread,  # noqa: F401 (an autouse fixture: torch on one thread)
 )
-from lmserve_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -92,30 +94,11 @@ def half_precision_kv(kind: str, model: Any) -> Iterator[None]:
             hook.remove()
 
 
-def subject(synthetic: Any, kind: str, type: str = "f32") -> Subject:
-    """One synthetic model as the conformance suite sees it (loaded once per session)."""
-    key = (kind, type)
-    if key not in _SUBJECTS:
-        model = synthetic(kind=kind, type=type)
-        path, _ = model
-        gguf = GGUFFile.open(path)
-        hf = model.load_hf()
-        _SUBJECTS[key] = Subject(
-            path=str(path),
-            load=lambda kv_type="f16", n_batch=256: Qwen35Model.load(
-                gguf, n_threads=2, kv_type=kv_type, n_batch=n_batch
-            ),
-            hf=hf,
-            tokenizer=Tokenizer.from_gguf(gguf),
-            rounding=lambda kv: half_precision_kv(kind, hf) if kv == "f16"
-            else contextlib.nullcontext(),
-            create_backend=create_backend,
-            of_type=lambda t: subject(synthetic, kind, t),
-        )
-    return _SUBJECTS[key]
-
-
-_SUBJECTS: dict[tuple[str, str], Subject] = {}
+subject = synthetic_subjects(
+    lambda kind, gguf, **options: Qwen35Model.load(gguf, n_threads=2, **options),
+    create_backend,
+    half_precision_kv,
+)
 
 
 class TestQwen35Conformance(FamilyConformance):
