@@ -126,20 +126,27 @@ def backends() -> dict[str, BackendSpec]:
     return found
 
 
-def _register_backends_callers() -> dict[CodeType, str]:
-    callers: dict[CodeType, str] = {}
+def _register_backends_callers() -> dict[CodeType, list[tuple[object, str]]]:
+    # each hook's code, and the object it is bound to (a family's hook is one method of
+    # lmserve_core.kit.Family, bound to each plugin's own family)
+    callers: dict[CodeType, list[tuple[object, str]]] = {}
     for impl in pm.hook.register_backends.get_hookimpls():
-        code = getattr(inspect.unwrap(impl.function), "__code__", None)
+        function = inspect.unwrap(impl.function)
+        code = getattr(function, "__code__", None)
         if code is not None:
-            callers[code] = impl.plugin_name
+            bound = getattr(impl.function, "__self__", None)
+            callers.setdefault(code, []).append((bound, impl.plugin_name))
     return callers
 
 
-def _registering_plugin(callers: dict[CodeType, str], frame: FrameType | None) -> str:
+def _registering_plugin(
+    callers: dict[CodeType, list[tuple[object, str]]], frame: FrameType | None
+) -> str:
     # The hookimpl that called register (maybe through helpers) is on the stack.
     while frame is not None:
-        if frame.f_code in callers:
-            return callers[frame.f_code]
+        for bound, name in callers.get(frame.f_code, ()):
+            if bound is None or frame.f_locals.get("self") is bound:
+                return name
         frame = frame.f_back
     return ""
 

@@ -445,7 +445,7 @@ def test_family_declares_its_backends(tmp_path: Path) -> None:
                     conventions=conventions, backends=backends)
     assert family.model_class("fammoe") is DecoderConfig
     calls: list[tuple[Any, ...]] = []
-    family.register(lambda *args, **kwargs: calls.append((*args, kwargs)))
+    family.register_backends(lambda *args, **kwargs: calls.append((*args, kwargs)))
     # one factory object, which a plugin module hands out as its own create_backend
     assert calls == [("fam", family.create_backend,
                       {"architectures": ("fam", "fammoe"), "description": "a family"})]

@@ -2,7 +2,7 @@
 
 A family plugin's ``plugin.py`` declares its backends (names, the GGUF architectures each
 serves), which model class serves an architecture and which conventions a file gets, and
-hands the hooks :meth:`Family.register` and :attr:`Family.create_backend`::
+hands out the family's hook and backend factory as its own::
 
     FAMILY = Family(
         "qwen3",
@@ -11,10 +11,7 @@ hands the hooks :meth:`Family.register` and :attr:`Family.create_backend`::
         backends=[BackendSpec("qwen3", ("qwen3",), "Qwen3 GGUFs (dense)")],
     )
     create_backend = FAMILY.create_backend
-
-    @hookimpl
-    def register_backends(register):
-        FAMILY.register(register)
+    register_backends = FAMILY.register_backends
 
 The model class is imported only when a backend is created, so listing the installed
 plugins never loads a family's native module.
@@ -29,6 +26,7 @@ from typing import Any
 
 from lmserve_core.backend import ServerSettings
 from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.hookspecs import hookimpl
 from lmserve_core.model import FamilyConventions
 
 __all__ = ["BackendSpec", "Family"]
@@ -117,8 +115,10 @@ class Family:
             name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings
         )
 
-    def register(self, register: Any) -> None:
-        """Register every backend of the family (the ``register_backends`` hook's body)."""
+    @hookimpl
+    def register_backends(self, register: Any) -> None:
+        """The ``register_backends`` hook: every backend of the family (a plugin module
+        hands it out as ``register_backends = FAMILY.register_backends``)."""
         for spec in self.backends:
             kwargs: dict[str, Any] = {}
             if spec.default_model is not None:

@@ -465,10 +465,12 @@ class NativeForwardModel:
         self, ctype: str, layer_ctype: str, fill: Callable[[Any, int, str], None]
     ) -> Any:
         """A ``ctype`` weight table (kept with the model): its ``layers`` (:meth:`layer_table`
-        of ``layer_ctype``) and the decoder's input and output tensors (:meth:`io_tensors`)."""
+        of ``layer_ctype``) and its ``io``, the decoder's input and output tensors
+        (:meth:`io_tensors`). The standard tables are ``lm_decoder_tensors`` of
+        ``lm_layer_tensors`` (lmserve/types.h); a family's own has the same two fields."""
         w = self.keep(self.ffi.new(f"{ctype} *"))
         w.layers = self.layer_table(layer_ctype, fill)
-        self.io_tensors(w)
+        self.io_tensors(w.io)
         return w
 
     def layer_table(self, ctype: str, fill: Callable[[Any, int, str], None]) -> Any:
@@ -531,7 +533,8 @@ class NativeForwardModel:
         post_norm: str | None = None,
         fields: Mapping[str, str] | None = None,
     ) -> None:
-        """The attention tensors of a block: ``attn_norm`` (n_embd); ``wq`` from attn_q
+        """The attention tensors of a block into ``layer`` (an ``lm_attn_tensors``, or a
+        struct with its field names; ``fields`` renames them): ``attn_norm`` (n_embd); ``wq`` from attn_q
         (q_dim, n_embd; with ``gated`` 2 q_dim, each head's query rows then its gate rows),
         ``wk`` and ``wv`` from attn_k and attn_v (kv_dim, n_embd), ``wo`` from attn_output
         (n_embd, q_dim).
@@ -587,7 +590,8 @@ class NativeForwardModel:
         post_norm: str | None = None,
         fields: Mapping[str, str] | None = None,
     ) -> None:
-        """A block's gated MLP: ``ffn_norm`` from the tensor named ``norm`` (n_embd; None:
+        """A block's gated MLP into ``layer`` (an ``lm_ffn_tensors``, or a struct with its
+        field names; ``fields`` renames them): ``ffn_norm`` from the tensor named ``norm`` (n_embd; None:
         none), ``ffn_gate`` and ``ffn_up`` (n_ff, n_embd), ``ffn_down`` (n_embd, n_ff);
         ``post_norm``: the name of a norm of the output, into ``post_ffn_norm``."""
         d = self.config.n_embd
@@ -610,7 +614,8 @@ class NativeForwardModel:
         norm: str | None = "ffn_norm",
         fields: Mapping[str, str] | None = None,
     ) -> None:
-        """A block's mixture of experts: ``ffn_norm`` as :meth:`mlp_tensors`; the router
+        """A block's mixture of experts into ``layer`` (as :meth:`mlp_tensors`): ``ffn_norm``
+        as :meth:`mlp_tensors`; the router
         ``ffn_gate_inp`` (n_expert, n_embd); the experts' ``ffn_gate_up_exps`` (n_expert,
         2 n_ff, n_embd: each expert's gate rows then its up rows) when the file fuses them,
         else ``ffn_gate_exps`` and ``ffn_up_exps`` (n_expert, n_ff, n_embd); and

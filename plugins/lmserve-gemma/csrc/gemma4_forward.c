@@ -106,52 +106,37 @@ static int g4_ple_new(const gemma4_config *c, const gemma4_weights *w, g4_ple **
     return status;
 }
 
-/* Layer l of the table as a block of the kit's decoder. */
-static void g4_block(lm_decoder_model *m, const gemma4_config *c, const gemma4_layer *L, int l) {
+/* Layer l of the tables as a block of the kit's decoder. */
+static void g4_block(lm_decoder_model *m, const gemma4_config *c, const lm_layer_tensors *T,
+                     const gemma4_layer *L, int l) {
     lm_block *b = &m->blocks[l];
-    lm_matrix wq = L->wq, wk = L->wk, wv = L->wv;
-    if (L->wqkv.data != NULL) {
-        /* fused rows: q, then k, then v */
-        const int64_t QD = (int64_t)L->n_head * L->head_dim;
-        const int64_t KVD = (int64_t)L->n_kv_head * L->head_dim;
-        wq = L->wqkv;
-        wk = lm_matrix_rows(L->wqkv, QD, c->n_embd);
-        wv = lm_matrix_rows(L->wqkv, QD + KVD, c->n_embd);
-        if (wv.data == NULL) wk.data = NULL; /* not V from K: a cut the kit's check refuses */
-    }
-    b->norm_eps = c->rms_eps;
-    b->attn_norm = L->attn_norm;
-    b->attn = (lm_attn){
-        .wq = wq, .wk = wk, .wv = wv, .wo = L->wo, .q_norm = L->q_norm, .k_norm = L->k_norm,
-        .norm_eps = c->rms_eps, .n_head = L->n_head, .n_kv_head = L->n_kv_head,
-        .head_dim = L->head_dim, .scale = 1.0f, .window = L->swa ? c->n_swa : 0,
-        .rope = L->swa ? &m->rope_swa : &m->rope, .v_norm = 1, .kv_shared = l - L->kv_source,
-    };
-    b->post_attn_norm = L->post_attn_norm;
-    b->ffn_norm = L->ffn_norm;
-    b->ffn = (lm_ffn){L->ffn_gate, L->ffn_up, L->ffn_down, L->n_ff, LM_ACT_GELU_TANH};
-    b->post_ffn_norm = L->post_ffn_norm;
+    lm_block_norms(b, &T->attn, &T->ffn, c->rms_eps);
+    b->attn = lm_block_attn(&T->attn, L->n_head, L->n_kv_head, L->head_dim, 1.0f, c->rms_eps,
+                            T->swa ? &m->rope_swa : &m->rope, c->n_embd);
+    b->attn.window = T->swa ? c->n_swa : 0;
+    b->attn.v_norm = 1;
+    b->attn.kv_shared = l - L->kv_source;
+    b->ffn = lm_dense_ffn(&T->ffn, L->n_ff, LM_ACT_GELU_TANH);
     b->out_scale = L->out_scale;
-    if (L->ffn_gate_inp.data == NULL) return;
+    if (T->ffn.ffn_gate_inp.data == NULL) return;
     b->ffn_parallel = 1;
     b->post_dense_norm = L->post_ffn_norm_1;
     b->post_moe_norm = L->post_ffn_norm_2;
-    b->moe = (lm_moe){
-        .router = L->ffn_gate_inp, .gate_exps = L->ffn_gate_exps, .up_exps = L->ffn_up_exps,
-        .gate_up_exps = L->ffn_gate_up_exps, .down_exps = L->ffn_down_exps,
-        .n_expert = c->n_expert, .n_used = c->n_expert_used, .n_ff = L->n_ff_exp,
-        .gating = LM_GATING_SOFTMAX, .norm_weights = 1, .weights_scale = 1.0f,
-        .act = LM_ACT_GELU_TANH, .expert_scale = L->ffn_down_exps_scale,
-        .norm = L->pre_ffn_norm_2, .router_norm = L->ffn_gate_inp_scale,
-        .router_scale = 1.0f / sqrtf((float)c->n_embd), .norm_eps = c->rms_eps,
-    };
+    b->moe = lm_softmax_experts(&T->ffn, c->n_expert, c->n_expert_used, L->n_ff_exp, 1.0f,
+                                LM_ACT_GELU_TANH);
+    b->moe.expert_scale = L->ffn_down_exps_scale;
+    b->moe.norm = L->pre_ffn_norm_2;
+    b->moe.router_norm = L->ffn_gate_inp_scale;
+    b->moe.router_scale = 1.0f / sqrtf((float)c->n_embd);
+    b->moe.norm_eps = c->rms_eps;
 }
 
-int gemma4_build(const gemma4_config *config, const gemma4_weights *weights, int n_threads,
-                 int64_t n_batch, lm_base **out) {
+int gemma4_build(const gemma4_config *config, const lm_decoder_tensors *tensors,
+                 const gemma4_weights *weights, int n_threads, int64_t n_batch, lm_base **out) {
     const gemma4_config *c = config;
-    if (c == NULL || weights == NULL || weights->layers == NULL || out == NULL ||
-        c->n_layer <= 0 || c->n_embd_per_layer < 0 || c->n_swa < 0)
+    if (c == NULL || tensors == NULL || tensors->layers == NULL || weights == NULL ||
+        weights->layers == NULL || out == NULL || c->n_layer <= 0 || c->n_embd_per_layer < 0 ||
+        c->n_swa < 0)
         return LM_EINVAL;
     g4_ple *ple = NULL;
     if (c->n_embd_per_layer > 0) LM_TRY(g4_ple_new(c, weights, &ple));
@@ -161,13 +146,9 @@ int gemma4_build(const gemma4_config *config, const gemma4_weights *weights, int
         free(ple);
         return status;
     }
-    m->rope = weights->rope;
-    m->rope_swa = weights->rope_swa;
-    for (int l = 0; l < c->n_layer; l++) g4_block(m, c, &weights->layers[l], l);
-    m->dec.token_embd = weights->token_embd;
-    m->dec.output_norm = weights->output_norm;
-    m->dec.output = weights->output;
-    m->dec.norm_eps = c->rms_eps;
+    m->rope = tensors->rope;
+    m->rope_swa = tensors->rope_swa;
+    for (int l = 0; l < c->n_layer; l++) g4_block(m, c, &tensors->layers[l], &weights->layers[l], l);
     m->dec.embd_scale = sqrtf((float)c->n_embd);
     m->dec.logit_softcap = c->logit_softcap;
     if (ple != NULL) {
@@ -177,5 +158,6 @@ int gemma4_build(const gemma4_config *config, const gemma4_weights *weights, int
         m->dec.after_block = g4_ple_add;
         m->dec.n_ext = (int64_t)c->n_layer * c->n_embd_per_layer;
     }
-    return lm_decoder_finish(m, n_threads, n_batch, c->n_vocab, c->n_embd, out);
+    return lm_decoder_end(m, &tensors->io, c->rms_eps, c->n_vocab, c->n_embd, n_threads, n_batch,
+                          out);
 }

@@ -15,7 +15,7 @@
 
 #include <math.h>
 
-int gemma3_build(const gemma3_config *config, const gemma3_weights *weights, int n_threads,
+int gemma3_build(const gemma3_config *config, const lm_decoder_tensors *weights, int n_threads,
                  int64_t n_batch, lm_base **out) {
     const gemma3_config *c = config;
     if (c == NULL || weights == NULL || weights->layers == NULL || out == NULL || c->n_swa < 0 ||
@@ -23,32 +23,11 @@ int gemma3_build(const gemma3_config *config, const gemma3_weights *weights, int
         return LM_EINVAL;
     const lm_dims *d = &c->dims;
     lm_decoder_model *m;
-    LM_TRY(lm_decoder_new(d->n_layer, &m));
-    m->rope = weights->rope;
-    m->rope_swa = weights->rope_swa;
-    for (int l = 0; l < d->n_layer; l++) {
-        const gemma3_layer *L = &weights->layers[l];
-        const int local = L->swa && c->n_swa > 0;
-        lm_block *b = &m->blocks[l];
-        b->norm_eps = d->rms_eps;
-        b->attn_norm = L->attn_norm;
-        b->attn = (lm_attn){
-            .wq = L->wq, .wk = L->wk, .wv = L->wv, .wo = L->wo,
-            .q_norm = L->q_norm, .k_norm = L->k_norm, .norm_eps = d->rms_eps,
-            .n_head = d->n_head, .n_kv_head = d->n_kv_head, .head_dim = d->head_dim,
-            .scale = c->attn_scale, .rope = local ? &m->rope_swa : &m->rope,
-            .window = local ? c->n_swa : 0,
-        };
-        b->post_attn_norm = L->post_attn_norm;
-        b->ffn_norm = L->ffn_norm;
-        b->ffn = (lm_ffn){L->ffn_gate, L->ffn_up, L->ffn_down, d->n_ff, LM_ACT_GELU_TANH};
-        b->post_ffn_norm = L->post_ffn_norm;
-    }
-    m->dec.token_embd = weights->token_embd;
-    m->dec.output_norm = weights->output_norm;
-    m->dec.output = weights->output;
-    m->dec.norm_eps = d->rms_eps;
+    LM_TRY(lm_decoder_begin(d, weights, c->attn_scale, c->n_swa, &m));
+    for (int l = 0; l < d->n_layer; l++)
+        m->blocks[l].ffn = lm_dense_ffn(&weights->layers[l].ffn, d->n_ff, LM_ACT_GELU_TANH);
     m->dec.embd_scale = sqrtf((float)d->n_embd);
     m->dec.logit_softcap = c->logit_softcap;
-    return lm_decoder_finish(m, n_threads, n_batch, d->n_vocab, d->n_embd, out);
+    return lm_decoder_end(m, &weights->io, d->rms_eps, d->n_vocab, d->n_embd, n_threads, n_batch,
+                          out);
 }

@@ -23,36 +23,13 @@ typedef struct gemma3_config {
     float logit_softcap;   /* final_logit_softcapping; 0: none */
 } gemma3_config;
 
-typedef struct gemma3_layer {
-    int swa;                  /* 1: a local (sliding-window) layer with rope_swa */
-    const float *attn_norm;   /* (n_embd) */
-    lm_matrix wq;             /* (n_head * head_dim, n_embd) */
-    lm_matrix wk;             /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wv;             /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wo;             /* (n_embd, n_head * head_dim) */
-    const float *q_norm;      /* (head_dim) RMS norm of every query head, before RoPE */
-    const float *k_norm;      /* (head_dim) RMS norm of every key head, before RoPE */
-    const float *post_attn_norm; /* (n_embd) RMS norm of the attention output */
-    const float *ffn_norm;    /* (n_embd) */
-    lm_matrix ffn_gate;       /* (n_ff, n_embd) GELU (tanh) gate */
-    lm_matrix ffn_up;         /* (n_ff, n_embd) */
-    lm_matrix ffn_down;       /* (n_embd, n_ff) */
-    const float *post_ffn_norm; /* (n_embd) RMS norm of the feed-forward output */
-} gemma3_layer;
-
-typedef struct gemma3_weights {
-    lm_matrix token_embd;       /* (n_vocab, n_embd) */
-    const gemma3_layer *layers; /* (n_layer) */
-    const float *output_norm;   /* (n_embd) */
-    lm_matrix output;           /* (n_vocab, n_embd); token_embd when tied */
-    lm_rotary rope;             /* global layers: NEOX, rope.freq_base and its scaling */
-    lm_rotary rope_swa;         /* local layers: NEOX, rope.freq_base_swa */
-} gemma3_weights;
-
-/* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
- * the layer array is read during the call); *out is the model's lm_base, freed by
- * lm_model_free. */
-int gemma3_build(const gemma3_config *config, const gemma3_weights *weights, int n_threads,
+/* The weights are the kit's lm_decoder_tensors (lmserve/types.h): every layer's attention
+ * with per-head q and k norms and a post norm, and a GELU (tanh) gated MLP with a post norm;
+ * swa layers are local (sliding-window) layers with rope_swa (NEOX, rope.freq_base_swa), the
+ * others global with rope (NEOX, rope.freq_base and its scaling). Borrows the weights (the
+ * mapped tensors and the rope frequencies must outlive the model; the layer array is read
+ * during the call); *out is the model's lm_base, freed by lm_model_free. */
+int gemma3_build(const gemma3_config *config, const lm_decoder_tensors *weights, int n_threads,
                  int64_t n_batch, lm_base **out);
 
 /* ------------------------------------------------------------------ Gemma 4 (gemma4)
@@ -72,8 +49,11 @@ typedef struct gemma4_config {
     float logit_softcap;   /* final_logit_softcapping; 0: none */
 } gemma4_config;
 
+/* What is Gemma 4's own of a layer; the kit's lm_layer_tensors hold the rest (swa; the
+ * attention: wqkv fused q, k, v or wq, wk, wv, with wv data NULL where V is K's projection,
+ * wk unused when KV is shared; q_norm, k_norm, values RMS-normalised without a weight;
+ * post_attn_norm; the dense GELU (tanh) MLP and its norms; the experts of MoE layers). */
 typedef struct gemma4_layer {
-    int swa;                  /* 1: a local (sliding-window) layer with rope_swa */
     int kv_source;            /* the layer whose cache this one attends to: itself, or an
                                  earlier layer of the same kind (KV sharing: no K/V of its own) */
     int n_head;
@@ -81,33 +61,11 @@ typedef struct gemma4_layer {
     int head_dim;             /* of queries, keys and values */
     int64_t n_ff;             /* dense feed-forward width */
     int64_t n_ff_exp;         /* one expert's width (MoE layers) */
-    const float *attn_norm;   /* (n_embd) */
-    lm_matrix wqkv;           /* (n_head * head_dim + 2 * n_kv_head * head_dim, n_embd) fused
-                                 q, k, v; data NULL: wq, wk, wv */
-    lm_matrix wq;             /* (n_head * head_dim, n_embd) */
-    lm_matrix wk;             /* (n_kv_head * head_dim, n_embd); unused when KV is shared */
-    lm_matrix wv;             /* (n_kv_head * head_dim, n_embd); data NULL: V is K's projection */
-    lm_matrix wo;             /* (n_embd, n_head * head_dim) */
-    const float *q_norm;      /* (head_dim) RMS norm of every query head, before RoPE */
-    const float *k_norm;      /* (head_dim) RMS norm of every key head, before RoPE; values are
-                                 RMS-normalised without a weight */
-    const float *post_attn_norm; /* (n_embd) RMS norm of the attention output */
-    const float *ffn_norm;    /* (n_embd) */
-    lm_matrix ffn_gate;       /* (n_ff, n_embd) GELU (tanh) gate */
-    lm_matrix ffn_up;         /* (n_ff, n_embd) */
-    lm_matrix ffn_down;       /* (n_embd, n_ff) */
     const float *post_ffn_norm_1; /* (n_embd) of the dense branch of a MoE layer, else NULL */
-    lm_matrix ffn_gate_inp;   /* (n_expert, n_embd) router; data NULL: a dense layer */
     const float *ffn_gate_inp_scale; /* (n_embd) multiplies rmsnorm(x) / sqrt(n_embd) */
     const float *pre_ffn_norm_2;  /* (n_embd) input norm of the experts */
-    lm_matrix ffn_gate_up_exps;   /* (n_expert, 2 * n_ff_exp, n_embd) gate rows then up rows;
-                                     data NULL: ffn_gate_exps and ffn_up_exps */
-    lm_matrix ffn_gate_exps;  /* (n_expert, n_ff_exp, n_embd) */
-    lm_matrix ffn_up_exps;    /* (n_expert, n_ff_exp, n_embd) */
-    lm_matrix ffn_down_exps;  /* (n_expert, n_embd, n_ff_exp) */
     const float *ffn_down_exps_scale; /* (n_expert) multiplies each expert's output, or NULL */
     const float *post_ffn_norm_2; /* (n_embd) RMS norm of the experts' output */
-    const float *post_ffn_norm;   /* (n_embd) RMS norm of the feed-forward output */
     lm_matrix inp_gate;       /* (n_embd_per_layer, n_embd) PLE gate */
     lm_matrix proj;           /* (n_embd, n_embd_per_layer) PLE projection */
     const float *ple_post_norm;  /* (n_embd) RMS norm of the PLE projection */
@@ -115,22 +73,19 @@ typedef struct gemma4_layer {
 } gemma4_layer;
 
 typedef struct gemma4_weights {
-    lm_matrix token_embd;       /* (n_vocab, n_embd) */
     const gemma4_layer *layers; /* (n_layer) */
-    const float *output_norm;   /* (n_embd) */
-    lm_matrix output;           /* (n_vocab, n_embd); token_embd when tied */
     lm_matrix ple_token_embd;   /* (n_vocab, n_layer * n_embd_per_layer) per_layer_token_embd */
     lm_matrix ple_model_proj;   /* (n_layer * n_embd_per_layer, n_embd) per_layer_model_proj */
     const float *ple_proj_norm; /* (n_embd_per_layer) per_layer_proj_norm */
-    lm_rotary rope;             /* global layers: NEOX, rope.freq_base, rope_freqs factors */
-    lm_rotary rope_swa;         /* local layers: NEOX, rope.freq_base_swa */
 } gemma4_weights;
 
-/* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
- * the layer array is read during the call); *out is the model's lm_base, freed by
+/* tensors: the kit's lm_decoder_tensors (rope: global layers, NEOX, rope.freq_base and the
+ * rope_freqs factors; rope_swa: local layers, NEOX, rope.freq_base_swa); weights: Gemma 4's
+ * own. Borrows both (the mapped tensors and the rope frequencies must outlive the model; the
+ * layer arrays are read during the call); *out is the model's lm_base, freed by
  * lm_model_free. */
-int gemma4_build(const gemma4_config *config, const gemma4_weights *weights, int n_threads,
-                 int64_t n_batch, lm_base **out);
+int gemma4_build(const gemma4_config *config, const lm_decoder_tensors *tensors,
+                 const gemma4_weights *weights, int n_threads, int64_t n_batch, lm_base **out);
 
 /* cdef-end */
 

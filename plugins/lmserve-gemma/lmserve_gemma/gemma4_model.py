@@ -31,20 +31,22 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
 
     def setup(self) -> None:
         c = self.config
-        w = self.weight_table("gemma4_weights", "gemma4_layer", self._layer)
+        t = self.weight_table("lm_decoder_tensors", "lm_layer_tensors", self._layer)
+        w = self.keep(ffi.new("gemma4_weights *"))
+        w.layers = self.layer_table("gemma4_layer", self._own)
         if c.n_embd_per_layer:
             lp = c.n_layer * c.n_embd_per_layer
             self.matrix(w.ple_token_embd, "per_layer_token_embd.weight", (c.n_vocab, lp))
             self.matrix(w.ple_model_proj, "per_layer_model_proj.weight", (lp, c.n_embd))
             w.ple_proj_norm = self.floats("per_layer_proj_norm.weight", (c.n_embd_per_layer,))
-        self._rope(w)
+        self._rope(t)
         self.refuse_unknown_tensors(c.architecture)
 
         cfg = self.config_fields(ffi.new("gemma4_config *"), "n_layer", "n_embd", "n_vocab",
                                  "n_embd_per_layer", "n_expert", "n_expert_used", "n_swa",
                                  "rms_eps", "logit_softcap")
-        moe = any(w.layers[i].ffn_gate_inp.data != ffi.NULL for i in range(c.n_layer))
-        self.build(lib.gemma4_build, cfg, w, n_used_experts=c.n_expert_used if moe else 0)
+        moe = any(t.layers[i].ffn.ffn_gate_inp.data != ffi.NULL for i in range(c.n_layer))
+        self.build(lib.gemma4_build, cfg, t, w, n_used_experts=c.n_expert_used if moe else 0)
 
     def _rope(self, w: Any) -> None:
         """Global layers: rope.freq_base (and its scaling) over rope.dimension_count, divided
@@ -61,42 +63,45 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
         self.rotary(w.rope_swa, self.rope_swa)
 
     def _layer(self, layer: Any, il: int, p: str) -> None:
+        """The kit's tensors of layer ``il``."""
         c = self.config
         hd, src = c.layer_head_dim(il), c.kv_source[il]
         n_head, n_kv = c.n_head[il], c.n_kv_head[src]
         layer.swa = int(c.swa_layers[il])
-        layer.kv_source = src
-        layer.n_head = n_head
-        layer.n_kv_head = n_kv
-        layer.head_dim = hd
-        layer.n_ff = c.n_ff[il]
-        layer.n_ff_exp = c.n_ff_exp[il]
         # a layer sharing an earlier cache reads none of its own K/V weights (llama.cpp loads
         # and ignores them when a file has them); without attn_v, values are the keys
-        self.attention_tensors(layer, p, q_dim=n_head * hd, kv_dim=n_kv * hd, head_dim=hd,
+        self.attention_tensors(layer.attn, p, q_dim=n_head * hd, kv_dim=n_kv * hd, head_dim=hd,
                                fused=True, kv=c.has_kv(il), v_optional=True,
                                post_norm="post_attention_norm")
-        self.mlp_tensors(layer, p, c.n_ff[il], post_norm="post_ffw_norm")
+        self.mlp_tensors(layer.ffn, p, c.n_ff[il], post_norm="post_ffw_norm")
         if p + "ffn_gate_inp.weight" in self.gguf.tensors:
-            self._experts(layer, p, il)
+            if c.n_expert == 0:
+                raise GGUFError(f"{self.gguf.path}: layer {il} has a router but "
+                                f"{c.architecture}.expert_count is missing")
+            self.moe_tensors(layer.ffn, p, n_expert=c.n_expert, n_ff=c.n_ff_exp[il], norm=None)
+
+    def _own(self, layer: Any, il: int, p: str) -> None:
+        """What is Gemma 4's own of layer ``il``: its geometry, the norms and scales around its
+        experts, its per-layer input and output scale."""
+        c = self.config
+        d = c.n_embd
+        layer.kv_source = c.kv_source[il]
+        layer.n_head = c.n_head[il]
+        layer.n_kv_head = c.n_kv_head[c.kv_source[il]]
+        layer.head_dim = c.layer_head_dim(il)
+        layer.n_ff = c.n_ff[il]
+        layer.n_ff_exp = c.n_ff_exp[il]
+        if p + "ffn_gate_inp.weight" in self.gguf.tensors:
+            layer.ffn_gate_inp_scale = self.floats(p + "ffn_gate_inp.scale", (d,))
+            layer.ffn_down_exps_scale = self.optional_floats(
+                p + "ffn_down_exps.scale", (c.n_expert,)
+            )
+            layer.pre_ffn_norm_2 = self.floats(p + "pre_ffw_norm_2.weight", (d,))
+            layer.post_ffn_norm_1 = self.floats(p + "post_ffw_norm_1.weight", (d,))
+            layer.post_ffn_norm_2 = self.floats(p + "post_ffw_norm_2.weight", (d,))
         if c.n_embd_per_layer:
-            d, pd = c.n_embd, c.n_embd_per_layer
+            pd = c.n_embd_per_layer
             self.matrix(layer.inp_gate, p + "inp_gate.weight", (pd, d))
             self.matrix(layer.proj, p + "proj.weight", (d, pd))
             layer.ple_post_norm = self.floats(p + "post_norm.weight", (d,))
         layer.out_scale = self.optional_floats(p + "layer_output_scale.weight", (1,))
-
-    def _experts(self, layer: Any, p: str, il: int) -> None:
-        """The experts beside the dense MLP: the kit's experts' tensors, and Gemma 4's norms
-        and scales around them."""
-        c = self.config
-        if c.n_expert == 0:
-            raise GGUFError(f"{self.gguf.path}: layer {il} has a router but "
-                            f"{c.architecture}.expert_count is missing")
-        d, e = c.n_embd, c.n_expert
-        self.moe_tensors(layer, p, n_expert=e, n_ff=c.n_ff_exp[il], norm=None)
-        layer.ffn_gate_inp_scale = self.floats(p + "ffn_gate_inp.scale", (d,))
-        layer.ffn_down_exps_scale = self.optional_floats(p + "ffn_down_exps.scale", (e,))
-        layer.pre_ffn_norm_2 = self.floats(p + "pre_ffw_norm_2.weight", (d,))
-        layer.post_ffn_norm_1 = self.floats(p + "post_ffw_norm_1.weight", (d,))
-        layer.post_ffn_norm_2 = self.floats(p + "post_ffw_norm_2.weight", (d,))

@@ -35,7 +35,7 @@ class Gemma3Model(NativeForwardModel, native=_forward, config=Gemma3Config):
             # EmbeddingGemma's projection heads: an encoder, not a chat model
             raise GGUFError("a Gemma 3 GGUF with dense_2/dense_3 projections (an embedding "
                             "model) is not served")
-        w = self.weight_table("gemma3_weights", "gemma3_layer", self._layer)
+        w = self.weight_table("lm_decoder_tensors", "lm_layer_tensors", self._layer)
         neox = int(RopeMode.NEOX)
         self.rope = rope_from_gguf(HParams(self.gguf), head_dim=c.head_dim, mode=neox)
         self.rotary(w.rope, self.rope)
@@ -53,6 +53,6 @@ class Gemma3Model(NativeForwardModel, native=_forward, config=Gemma3Config):
     def _layer(self, layer: Any, i: int, p: str) -> None:
         c = self.config
         layer.swa = int(c.swa_layers[i])
-        self.attention_tensors(layer, p, q_dim=c.q_dim, kv_dim=c.kv_dim, head_dim=c.head_dim,
-                               post_norm="post_attention_norm")
-        self.mlp_tensors(layer, p, c.n_ff, post_norm="post_ffw_norm")
+        self.attention_tensors(layer.attn, p, q_dim=c.q_dim, kv_dim=c.kv_dim,
+                               head_dim=c.head_dim, post_norm="post_attention_norm")
+        self.mlp_tensors(layer.ffn, p, c.n_ff, post_norm="post_ffw_norm")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any
 
-from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.kit.family import BackendSpec, Family
@@ -95,9 +93,4 @@ FAMILY = Family(
     ],
 )
 create_backend = FAMILY.create_backend
-
-
-@hookimpl
-def register_backends(register: Any) -> None:
-    """Register ``gemma``: Gemma 3 and Gemma 4 GGUFs."""
-    FAMILY.register(register)
+register_backends = FAMILY.register_backends

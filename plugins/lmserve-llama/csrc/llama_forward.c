@@ -9,26 +9,14 @@
 
 #include <math.h>
 
-int llama_build(const lm_dims *dims, const llama_weights *weights, int n_threads,
+int llama_build(const lm_dims *dims, const lm_decoder_tensors *weights, int n_threads,
                 int64_t n_batch, lm_base **out) {
-    const lm_dims *c = dims;
-    if (c == NULL || weights == NULL || weights->layers == NULL || out == NULL) return LM_EINVAL;
+    const lm_dims *d = dims;
+    if (d == NULL || weights == NULL || weights->layers == NULL || out == NULL) return LM_EINVAL;
     lm_decoder_model *m;
-    LM_TRY(lm_decoder_new(c->n_layer, &m));
-    m->rope = weights->rope;
-    for (int l = 0; l < c->n_layer; l++) {
-        const llama_layer *L = &weights->layers[l];
-        m->blocks[l] = (lm_block){
-            .norm_eps = c->rms_eps,
-            .attn_norm = L->attn_norm,
-            .attn = {.wq = L->wq, .wk = L->wk, .wv = L->wv, .wo = L->wo,
-                     .n_head = c->n_head, .n_kv_head = c->n_kv_head, .head_dim = c->head_dim,
-                     .scale = 1.0f / sqrtf((float)c->head_dim), .rope = &m->rope},
-            .ffn_norm = L->ffn_norm,
-            .ffn = {L->ffn_gate, L->ffn_up, L->ffn_down, c->n_ff, LM_ACT_SILU},
-        };
-    }
-    m->dec = (lm_decoder){weights->token_embd, m->blocks, weights->output_norm, weights->output,
-                          c->rms_eps};
-    return lm_decoder_finish(m, n_threads, n_batch, c->n_vocab, c->n_embd, out);
+    LM_TRY(lm_decoder_begin(d, weights, 1.0f / sqrtf((float)d->head_dim), 0, &m));
+    for (int l = 0; l < d->n_layer; l++)
+        m->blocks[l].ffn = lm_dense_ffn(&weights->layers[l].ffn, d->n_ff, LM_ACT_SILU);
+    return lm_decoder_end(m, &weights->io, d->rms_eps, d->n_vocab, d->n_embd, n_threads, n_batch,
+                          out);
 }

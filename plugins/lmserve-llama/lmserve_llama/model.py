@@ -22,7 +22,7 @@ class LlamaModel(NativeForwardModel, native=_forward, config=LlamaConfig):
 
     def setup(self) -> None:
         c = self.config
-        w = self.weight_table("llama_weights", "llama_layer", self._layer)
+        w = self.weight_table("lm_decoder_tensors", "lm_layer_tensors", self._layer)
         # the converter permuted q and k for NORMAL (adjacent-pair) rotation; llama 3.1 has
         # per-pair frequency factors
         self.rope = rope_from_gguf(HParams(self.gguf), head_dim=c.head_dim,
@@ -38,5 +38,5 @@ class LlamaModel(NativeForwardModel, native=_forward, config=LlamaConfig):
 
     def _layer(self, layer: Any, i: int, p: str) -> None:
         c = self.config
-        self.attention_tensors(layer, p, q_dim=c.q_dim, kv_dim=c.kv_dim)
-        self.mlp_tensors(layer, p, c.n_ff)
+        self.attention_tensors(layer.attn, p, q_dim=c.q_dim, kv_dim=c.kv_dim)
+        self.mlp_tensors(layer.ffn, p, c.n_ff)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
 
-from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.kit.family import BackendSpec, Family
@@ -60,9 +58,4 @@ FAMILY = Family(
     ],
 )
 create_backend = FAMILY.create_backend
-
-
-@hookimpl
-def register_backends(register: Any) -> None:
-    """Register the ``llama`` backend for every architecture this family serves."""
-    FAMILY.register(register)
+register_backends = FAMILY.register_backends

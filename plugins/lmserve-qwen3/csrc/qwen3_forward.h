@@ -24,39 +24,12 @@ typedef struct qwen3_config {
     float expert_weights_scale; /* multiplies the renormalised expert weights */
 } qwen3_config;
 
-typedef struct qwen3_layer {
-    const float *attn_norm;  /* (n_embd) */
-    lm_matrix wq;            /* (n_head * head_dim, n_embd) */
-    lm_matrix wk;            /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wv;            /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wo;            /* (n_embd, n_head * head_dim) */
-    const float *q_norm;     /* (head_dim) RMS norm of every query head, before RoPE */
-    const float *k_norm;     /* (head_dim) RMS norm of every key head, before RoPE */
-    const float *ffn_norm;   /* (n_embd) */
-    /* qwen3: a SiLU-gated MLP */
-    lm_matrix ffn_gate;      /* (n_ff, n_embd) */
-    lm_matrix ffn_up;        /* (n_ff, n_embd) */
-    lm_matrix ffn_down;      /* (n_embd, n_ff) */
-    /* qwen3moe: a router and n_expert SiLU-gated MLPs */
-    lm_matrix ffn_gate_inp;  /* (n_expert, n_embd) router */
-    lm_matrix ffn_gate_exps; /* (n_expert, n_ff, n_embd) */
-    lm_matrix ffn_up_exps;   /* (n_expert, n_ff, n_embd) */
-    lm_matrix ffn_gate_up_exps; /* (n_expert, 2 n_ff, n_embd); data NULL: the two above */
-    lm_matrix ffn_down_exps; /* (n_expert, n_embd, n_ff) */
-} qwen3_layer;
-
-typedef struct qwen3_weights {
-    lm_matrix token_embd;      /* (n_vocab, n_embd) */
-    const qwen3_layer *layers; /* (n_layer) */
-    const float *output_norm;  /* (n_embd) */
-    lm_matrix output;          /* (n_vocab, n_embd); token_embd when tied */
-    lm_rotary rope;            /* NEOX pairs (i, i + head_dim / 2) */
-} qwen3_weights;
-
-/* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
- * the layer array is read during the call); *out is the model's lm_base, freed by
- * lm_model_free. */
-int qwen3_build(const qwen3_config *config, const qwen3_weights *weights, int n_threads,
+/* The weights are the kit's lm_decoder_tensors (lmserve/types.h): every layer's attention
+ * with per-head q and k norms, and a SiLU-gated MLP (qwen3) or a router and n_expert SiLU
+ * experts (qwen3moe); rope: NEOX pairs (i, i + head_dim / 2). Borrows the weights (the
+ * mapped tensors and the rope frequencies must outlive the model; the layer array is read
+ * during the call); *out is the model's lm_base, freed by lm_model_free. */
+int qwen3_build(const qwen3_config *config, const lm_decoder_tensors *weights, int n_threads,
                 int64_t n_batch, lm_base **out);
 
 /* cdef-end */

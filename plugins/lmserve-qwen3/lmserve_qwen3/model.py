@@ -22,7 +22,7 @@ class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config):
 
     def setup(self) -> None:
         c = self.config
-        w = self.weight_table("qwen3_weights", "qwen3_layer", self._layer)
+        w = self.weight_table("lm_decoder_tensors", "lm_layer_tensors", self._layer)
         self.rope = rope_from_gguf(HParams(self.gguf), head_dim=c.head_dim, mode=int(RopeMode.NEOX))
         self.rotary(w.rope, self.rope)
         self.refuse_unknown_tensors(c.architecture)
@@ -34,8 +34,8 @@ class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config):
 
     def _layer(self, layer: Any, i: int, p: str) -> None:
         c = self.config
-        self.attention_tensors(layer, p, q_dim=c.q_dim, kv_dim=c.kv_dim, head_dim=c.head_dim)
+        self.attention_tensors(layer.attn, p, q_dim=c.q_dim, kv_dim=c.kv_dim, head_dim=c.head_dim)
         if c.moe:
-            self.moe_tensors(layer, p, n_expert=c.n_expert, n_ff=c.n_ff)
+            self.moe_tensors(layer.ffn, p, n_expert=c.n_expert, n_ff=c.n_ff)
         else:
-            self.mlp_tensors(layer, p, c.n_ff)
+            self.mlp_tensors(layer.ffn, p, c.n_ff)

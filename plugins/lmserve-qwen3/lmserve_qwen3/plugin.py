@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.kit.family import BackendSpec, Family
 from lmserve_core.model import FamilyConventions
@@ -44,9 +41,4 @@ FAMILY = Family(
     ],
 )
 create_backend = FAMILY.create_backend
-
-
-@hookimpl
-def register_backends(register: Any) -> None:
-    """Register ``qwen3`` (dense) and ``qwen3moe``."""
-    FAMILY.register(register)
+register_backends = FAMILY.register_backends

@@ -15,32 +15,18 @@
 
 #include <math.h>
 
-static void qwen35_mlp(lm_block *b, const qwen35_config *c, const qwen35_layer *L) {
-    LM_SILU_MLP(b, L, c->dims.n_ff, c->n_expert, c->n_expert_used, c->expert_weights_scale);
-    if (c->n_expert > 0 && c->n_ff_shexp > 0) {
-        b->shexp = (lm_ffn){L->ffn_gate_shexp, L->ffn_up_shexp, L->ffn_down_shexp, c->n_ff_shexp,
-                            LM_ACT_SILU};
-        b->shexp_gate = L->ffn_gate_inp_shexp;
-    }
-}
-
-int qwen35_build(const qwen35_config *config, const qwen35_weights *weights, int n_threads,
-                 int64_t n_batch, lm_base **out) {
+int qwen35_build(const qwen35_config *config, const lm_decoder_tensors *weights,
+                 const qwen35_deltanet *delta, int n_threads, int64_t n_batch, lm_base **out) {
     const qwen35_config *c = config;
-    if (c == NULL || weights == NULL || weights->layers == NULL || out == NULL ||
+    if (c == NULL || weights == NULL || weights->layers == NULL || delta == NULL || out == NULL ||
         c->n_expert < 0 || (c->n_expert > 0 && c->n_expert_used <= 0) || c->n_ff_shexp < 0)
         return LM_EINVAL;
     const lm_dims *d = &c->dims;
     lm_decoder_model *m;
-    LM_TRY(lm_decoder_new(d->n_layer, &m));
-    m->rope = weights->rope;
-    const float scale = 1.0f / sqrtf((float)d->head_dim);
+    LM_TRY(lm_decoder_begin(d, weights, 1.0f / sqrtf((float)d->head_dim), 0, &m));
     for (int l = 0; l < d->n_layer; l++) {
-        const qwen35_layer *L = &weights->layers[l];
+        const qwen35_deltanet *L = &delta[l];
         lm_block *b = &m->blocks[l];
-        b->norm_eps = d->rms_eps;
-        b->attn_norm = L->attn_norm;
-        b->ffn_norm = L->ffn_norm;
         if (L->recurrent) {
             b->mixer = LM_MIXER_DELTANET;
             b->delta = (lm_deltanet){
@@ -51,20 +37,13 @@ int qwen35_build(const qwen35_config *config, const qwen35_weights *weights, int
                 .conv_kernel = c->ssm_conv_kernel, .head_map = c->ssm_head_map,
                 .norm_eps = d->rms_eps,
             };
+            b->attn = (lm_attn){0};
         } else {
-            b->mixer = LM_MIXER_ATTENTION;
-            b->attn = (lm_attn){
-                .wq = L->wq, .wk = L->wk, .wv = L->wv, .wo = L->wo,
-                .q_norm = L->q_norm, .k_norm = L->k_norm, .norm_eps = d->rms_eps,
-                .n_head = d->n_head, .n_kv_head = d->n_kv_head, .head_dim = d->head_dim,
-                .scale = scale, .rope = &m->rope, .gated = 1,
-            };
+            b->attn.gated = 1;
         }
-        qwen35_mlp(b, c, L);
+        lm_block_silu_ffn(b, &weights->layers[l].ffn, d->n_ff, c->n_expert, c->n_expert_used,
+                          c->expert_weights_scale, c->n_ff_shexp);
     }
-    m->dec.token_embd = weights->token_embd;
-    m->dec.output_norm = weights->output_norm;
-    m->dec.output = weights->output;
-    m->dec.norm_eps = d->rms_eps;
-    return lm_decoder_finish(m, n_threads, n_batch, d->n_vocab, d->n_embd, out);
+    return lm_decoder_end(m, &weights->io, d->rms_eps, d->n_vocab, d->n_embd, n_threads, n_batch,
+                          out);
 }

@@ -33,18 +33,10 @@ typedef struct qwen35_config {
     int ssm_head_map;        /* enum lm_head_map: how the file orders the value heads */
 } qwen35_config;
 
-typedef struct qwen35_layer {
-    int recurrent;              /* 1: a DeltaNet layer; 0: gated attention */
-    const float *attn_norm;     /* (n_embd) */
-    const float *ffn_norm;      /* (n_embd) post_attention_norm: the norm before the FFN */
-    /* gated attention */
-    lm_matrix wq;               /* (n_head * 2 * head_dim, n_embd) per head: query, gate */
-    lm_matrix wk;               /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wv;               /* (n_kv_head * head_dim, n_embd) */
-    lm_matrix wo;               /* (n_embd, n_head * head_dim) */
-    const float *q_norm;        /* (head_dim) */
-    const float *k_norm;        /* (head_dim) */
-    /* gated DeltaNet */
+/* A DeltaNet layer's own tensors (the kit's lm_layer_tensors hold the rest of every layer:
+ * attn_norm and the feed-forward; attention layers' attention). */
+typedef struct qwen35_deltanet {
+    int recurrent;              /* 1: a DeltaNet layer; 0: gated attention (nothing here) */
     lm_matrix wqkv;             /* (2 n_k_head head_k + n_v_head head_v, n_embd) */
     lm_matrix wgate;            /* (n_v_head * head_v, n_embd) */
     lm_matrix wbeta;            /* (n_v_head, n_embd) qwen35 */
@@ -55,35 +47,17 @@ typedef struct qwen35_layer {
     const float *ssm_a;         /* (n_v_head) -exp(A_log) */
     const float *ssm_dt;        /* (n_v_head) */
     const float *ssm_norm;      /* (head_v) */
-    /* dense MLP */
-    lm_matrix ffn_gate;         /* (n_ff, n_embd) */
-    lm_matrix ffn_up;           /* (n_ff, n_embd) */
-    lm_matrix ffn_down;         /* (n_embd, n_ff) */
-    /* experts */
-    lm_matrix ffn_gate_inp;     /* (n_expert, n_embd) router */
-    lm_matrix ffn_gate_exps;    /* (n_expert, n_ff, n_embd) */
-    lm_matrix ffn_up_exps;      /* (n_expert, n_ff, n_embd) */
-    lm_matrix ffn_gate_up_exps; /* (n_expert, 2 n_ff, n_embd); data NULL: the two above */
-    lm_matrix ffn_down_exps;    /* (n_expert, n_embd, n_ff) */
-    lm_matrix ffn_gate_inp_shexp; /* (1, n_embd) the shared expert's gate */
-    lm_matrix ffn_gate_shexp;   /* (n_ff_shexp, n_embd) */
-    lm_matrix ffn_up_shexp;     /* (n_ff_shexp, n_embd) */
-    lm_matrix ffn_down_shexp;   /* (n_embd, n_ff_shexp) */
-} qwen35_layer;
+} qwen35_deltanet;
 
-typedef struct qwen35_weights {
-    lm_matrix token_embd;        /* (n_vocab, n_embd) */
-    const qwen35_layer *layers;  /* (n_layer) */
-    const float *output_norm;    /* (n_embd) */
-    lm_matrix output;            /* (n_vocab, n_embd); token_embd when tied */
-    lm_rotary rope;              /* NEOX pairs over the first n_rot dims of a head */
-} qwen35_weights;
-
-/* Borrows the weights (the mapped tensors and the rope frequencies must outlive the model;
- * the layer array is read during the call); *out is the model's lm_base, freed by
- * lm_model_free. */
-int qwen35_build(const qwen35_config *config, const qwen35_weights *weights, int n_threads,
-                 int64_t n_batch, lm_base **out);
+/* The weights are the kit's lm_decoder_tensors (lmserve/types.h) and a qwen35_deltanet per
+ * layer: attention layers are gated (wq: (n_head * 2 * head_dim, n_embd), per head its query
+ * rows then its gate rows) with per-head q and k norms; ffn_norm is the file's
+ * post_attention_norm; the feed-forward a SiLU MLP or SiLU experts with a gated shared
+ * expert; rope: NEOX pairs over the first n_rot dims of a head. Borrows the weights (the
+ * mapped tensors and the rope frequencies must outlive the model; the layer arrays are read
+ * during the call); *out is the model's lm_base, freed by lm_model_free. */
+int qwen35_build(const qwen35_config *config, const lm_decoder_tensors *weights,
+                 const qwen35_deltanet *delta, int n_threads, int64_t n_batch, lm_base **out);
 
 /* cdef-end */
 

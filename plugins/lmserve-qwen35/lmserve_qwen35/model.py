@@ -27,7 +27,8 @@ class Qwen35Model(NativeForwardModel, native=_forward, config=Qwen35Config):
 
     def setup(self) -> None:
         c = self.config
-        w = self.weight_table("qwen35_weights", "qwen35_layer", self._layer)
+        w = self.weight_table("lm_decoder_tensors", "lm_layer_tensors", self._layer)
+        delta = self.layer_table("qwen35_deltanet", self._deltanet)
         self.rope = rope_from_gguf(HParams(self.gguf), head_dim=c.head_dim, mode=int(RopeMode.NEOX))
         if c.rope_sections and 2 * sum(c.rope_sections) > self.rope.n_rot:
             raise GGUFError(
@@ -47,26 +48,27 @@ class Qwen35Model(NativeForwardModel, native=_forward, config=Qwen35Config):
                            "ssm_n_k_head", "ssm_n_v_head", "ssm_head_k", "ssm_head_v")
         cfg.ssm_conv_kernel = c.conv_kernel
         cfg.ssm_head_map = _GROUPED if c.architecture == "qwen3next" else _TILED
-        self.build(lib.qwen35_build, cfg, w, n_used_experts=c.n_expert_used)
+        self.build(lib.qwen35_build, cfg, w, delta, n_used_experts=c.n_expert_used)
 
     def _layer(self, layer: Any, i: int, p: str) -> None:
         c = self.config
-        layer.recurrent = int(c.recurrent[i])
         if c.recurrent[i]:
-            layer.attn_norm = self.floats(p + "attn_norm.weight", (c.n_embd,))
-            self._deltanet(layer, p)
+            layer.attn.attn_norm = self.floats(p + "attn_norm.weight", (c.n_embd,))
         else:
-            self.attention_tensors(layer, p, q_dim=c.q_dim, kv_dim=c.kv_dim, head_dim=c.head_dim,
-                                   gated=True)
+            self.attention_tensors(layer.attn, p, q_dim=c.q_dim, kv_dim=c.kv_dim,
+                                   head_dim=c.head_dim, gated=True)
         # the norm before the feed-forward is post_attention_norm
         if c.moe:
-            self.moe_tensors(layer, p, n_expert=c.n_expert, n_ff=c.n_ff, n_ff_shexp=c.n_ff_shexp,
-                             norm="post_attention_norm")
+            self.moe_tensors(layer.ffn, p, n_expert=c.n_expert, n_ff=c.n_ff,
+                             n_ff_shexp=c.n_ff_shexp, norm="post_attention_norm")
         else:
-            self.mlp_tensors(layer, p, c.n_ff, norm="post_attention_norm")
+            self.mlp_tensors(layer.ffn, p, c.n_ff, norm="post_attention_norm")
 
-    def _deltanet(self, layer: Any, p: str) -> None:
+    def _deltanet(self, layer: Any, i: int, p: str) -> None:
         c = self.config
+        layer.recurrent = int(c.recurrent[i])
+        if not c.recurrent[i]:
+            return
         d, nv = c.n_embd, c.ssm_n_v_head
         vd = nv * c.ssm_head_v
         if p + "ssm_in.weight" in self.gguf.tensors:

@@ -3,9 +3,6 @@ and ``qwen3next`` GGUFs)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.kit.family import BackendSpec, Family
@@ -67,9 +64,4 @@ FAMILY = Family(
     ],
 )
 create_backend = FAMILY.create_backend
-
-
-@hookimpl
-def register_backends(register: Any) -> None:
-    """Register ``qwen35``: every architecture of the family."""
-    FAMILY.register(register)
+register_backends = FAMILY.register_backends

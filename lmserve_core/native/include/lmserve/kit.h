@@ -48,29 +48,111 @@ LM_KIT_VOID(LM_KIT_WRAP_VOID)
         if (lm_rc_ != LM_OK) return lm_rc_;                                                        \
     } while (0)
 
-/* The feed-forward half of a block whose layer table L uses the standard field names
- * (ffn_gate / ffn_up / ffn_down; ffn_gate_inp and ffn_{gate,up,gate_up,down}_exps): a SiLU
- * MLP of width n_ff when n_expert is 0, else n_expert SiLU experts of width n_ff behind a
- * softmax router, the top n_used renormalised to sum to 1 and times `scale` (Qwen's). */
-#define LM_SILU_MLP(b, L, n_ff_, n_expert_, n_used_, scale_)                                       \
-    do {                                                                                           \
-        if ((n_expert_) == 0) {                                                                    \
-            (b)->ffn = (lm_ffn){(L)->ffn_gate, (L)->ffn_up, (L)->ffn_down, (n_ff_), LM_ACT_SILU}; \
-        } else {                                                                                   \
-            (b)->moe = (lm_moe){.router = (L)->ffn_gate_inp,                                       \
-                                .gate_exps = (L)->ffn_gate_exps,                                   \
-                                .up_exps = (L)->ffn_up_exps,                                       \
-                                .gate_up_exps = (L)->ffn_gate_up_exps,                             \
-                                .down_exps = (L)->ffn_down_exps,                                   \
-                                .n_expert = (n_expert_),                                           \
-                                .n_used = (n_used_),                                               \
-                                .n_ff = (n_ff_),                                                   \
-                                .gating = LM_GATING_SOFTMAX,                                       \
-                                .norm_weights = 1,                                                 \
-                                .weights_scale = (scale_),                                         \
-                                .act = LM_ACT_SILU};                                               \
-        }                                                                                          \
-    } while (0)
+/* ------------------------------------------------------------------ weight tables
+ * From a family's weight table (types.h: lm_attn_tensors, lm_ffn_tensors, lm_io_tensors,
+ * lm_decoder_tensors) to the decoder's blocks. */
+
+/* A block's attention over t: n_head query heads over n_kv_head key/value heads of width
+ * head_dim, scores scaled by `scale`, q and k turned by rope (NULL: none) after their norms;
+ * a fused wqkv is cut after q and after k. The family sets what else the layer has (window,
+ * softcap, gated, v_norm, kv_shared). */
+static inline lm_attn lm_block_attn(const lm_attn_tensors *t, int n_head, int n_kv_head,
+                                    int head_dim, float scale, float norm_eps,
+                                    const lm_rotary *rope, int64_t n_embd) {
+    lm_matrix wq = t->wq, wk = t->wk, wv = t->wv;
+    if (t->wqkv.data != NULL) {
+        const int64_t qd = (int64_t)n_head * head_dim, kvd = (int64_t)n_kv_head * head_dim;
+        wq = t->wqkv;
+        wk = lm_matrix_rows(t->wqkv, qd, n_embd);
+        wv = lm_matrix_rows(t->wqkv, qd + kvd, n_embd);
+        if (wv.data == NULL) wk.data = NULL; /* not V from K: a cut the kit's check refuses */
+    }
+    return (lm_attn){
+        .wq = wq, .wk = wk, .wv = wv, .wo = t->wo, .bq = t->bq, .bk = t->bk, .bv = t->bv,
+        .q_norm = t->q_norm, .k_norm = t->k_norm, .norm_eps = norm_eps, .n_head = n_head,
+        .n_kv_head = n_kv_head, .head_dim = head_dim, .scale = scale, .rope = rope,
+    };
+}
+
+/* A block's norms (before and after each half) from its two halves' tensors. */
+static inline void lm_block_norms(lm_block *b, const lm_attn_tensors *a, const lm_ffn_tensors *f,
+                                  float norm_eps) {
+    b->norm_eps = norm_eps;
+    b->attn_norm = a->attn_norm;
+    b->post_attn_norm = a->post_attn_norm;
+    b->ffn_norm = f->ffn_norm;
+    b->post_ffn_norm = f->post_ffn_norm;
+}
+
+/* The gated MLP of f: width n_ff, activation `act` (enum lm_act) on the gate. */
+static inline lm_ffn lm_dense_ffn(const lm_ffn_tensors *f, int64_t n_ff, int act) {
+    return (lm_ffn){f->ffn_gate, f->ffn_up, f->ffn_down, n_ff, act};
+}
+
+/* The experts of f: n_expert of width n_ff behind a softmax router, the top n_used
+ * renormalised to sum to 1 and times `scale`; activation `act` on their gates. */
+static inline lm_moe lm_softmax_experts(const lm_ffn_tensors *f, int n_expert, int n_used,
+                                        int64_t n_ff, float scale, int act) {
+    return (lm_moe){
+        .router = f->ffn_gate_inp, .gate_exps = f->ffn_gate_exps, .up_exps = f->ffn_up_exps,
+        .gate_up_exps = f->ffn_gate_up_exps, .down_exps = f->ffn_down_exps,
+        .n_expert = n_expert, .n_used = n_used, .n_ff = n_ff, .gating = LM_GATING_SOFTMAX,
+        .norm_weights = 1, .weights_scale = scale, .act = act,
+    };
+}
+
+/* A SiLU feed-forward (Qwen's): an MLP of width n_ff when n_expert is 0, else n_expert
+ * experts of width n_ff (lm_softmax_experts), with f's shared expert of width n_ff_shexp
+ * where it has one. */
+static inline void lm_block_silu_ffn(lm_block *b, const lm_ffn_tensors *f, int64_t n_ff,
+                                     int n_expert, int n_used, float scale, int64_t n_ff_shexp) {
+    if (n_expert == 0) {
+        b->ffn = lm_dense_ffn(f, n_ff, LM_ACT_SILU);
+        return;
+    }
+    b->moe = lm_softmax_experts(f, n_expert, n_used, n_ff, scale, LM_ACT_SILU);
+    if (n_ff_shexp > 0) {
+        b->shexp = (lm_ffn){f->ffn_gate_shexp, f->ffn_up_shexp, f->ffn_down_shexp, n_ff_shexp,
+                            LM_ACT_SILU};
+        b->shexp_gate = f->ffn_gate_inp_shexp;
+    }
+}
+
+/* lm_decoder_new for d->n_layer blocks, with w's RoPE in place (m->rope, m->rope_swa) and,
+ * where w has standard layers (w->layers not NULL), every block's norms and attention from
+ * them: d's heads and widths, scores scaled by `scale`, sliding-window layers (swa) over
+ * `window` positions with rope_swa. The family then fills what else its blocks have and
+ * calls lm_decoder_end. */
+static inline int lm_decoder_begin(const lm_dims *d, const lm_decoder_tensors *w, float scale,
+                                   int64_t window, lm_decoder_model **out) {
+    lm_decoder_model *m;
+    LM_TRY(lm_decoder_new(d->n_layer, &m));
+    m->rope = w->rope;
+    m->rope_swa = w->rope_swa;
+    for (int l = 0; w->layers != NULL && l < d->n_layer; l++) {
+        const lm_layer_tensors *L = &w->layers[l];
+        const int local = L->swa && window > 0;
+        lm_block *b = &m->blocks[l];
+        lm_block_norms(b, &L->attn, &L->ffn, d->rms_eps);
+        b->attn = lm_block_attn(&L->attn, d->n_head, d->n_kv_head, d->head_dim, scale,
+                                d->rms_eps, local ? &m->rope_swa : &m->rope, d->n_embd);
+        b->attn.window = local ? window : 0;
+    }
+    *out = m;
+    return LM_OK;
+}
+
+/* The decoder's input and output from io (the output norm's eps: norm_eps), then
+ * lm_decoder_finish. */
+static inline int lm_decoder_end(lm_decoder_model *m, const lm_io_tensors *io, float norm_eps,
+                                 int n_vocab, int n_embd, int n_threads, int64_t n_batch,
+                                 lm_base **out) {
+    m->dec.token_embd = io->token_embd;
+    m->dec.output_norm = io->output_norm;
+    m->dec.output = io->output;
+    m->dec.norm_eps = norm_eps;
+    return lm_decoder_finish(m, n_threads, n_batch, n_vocab, n_embd, out);
+}
 
 /* 1 when m is a matrix of a type the kernels decode with rows of `cols` elements. */
 static inline int lm_matrix_ok(lm_matrix m, int64_t cols) {

@@ -359,6 +359,71 @@ typedef struct lm_decoder_model {
     int n_layer;
 } lm_decoder_model;
 
+/* ------------------------------------------------------------------ weight tables
+ * What a family's Python side fills from the GGUF (lmserve_core.kit's io_tensors,
+ * attention_tensors, mlp_tensors and moe_tensors, under llama.cpp's tensor names) and its
+ * build function maps onto blocks (kit.h: lm_decoder_begin, lm_block_attn, lm_block_ffn,
+ * lm_decoder_end). A family's own layer struct holds them beside what is its own. */
+
+/* The attention half of a block. */
+typedef struct lm_attn_tensors {
+    const float *attn_norm;   /* (n_embd) */
+    lm_matrix wqkv;           /* (q_dim + 2 kv_dim, n_embd) q, k, v rows in one matrix; data
+                                 NULL: wq, wk, wv */
+    lm_matrix wq;             /* (q_dim, n_embd); gated: (2 q_dim, n_embd) */
+    lm_matrix wk;             /* (kv_dim, n_embd) */
+    lm_matrix wv;             /* (kv_dim, n_embd); data NULL: the values are the keys */
+    lm_matrix wo;             /* (n_embd, q_dim) */
+    const float *bq;          /* (q_dim) bias, or NULL */
+    const float *bk;          /* (kv_dim) bias, or NULL */
+    const float *bv;          /* (kv_dim) bias, or NULL */
+    const float *q_norm;      /* (head_dim) RMS norm of every query head, before RoPE, or NULL */
+    const float *k_norm;      /* (head_dim) RMS norm of every key head, before RoPE, or NULL */
+    const float *post_attn_norm; /* (n_embd) RMS norm of the attention output, or NULL */
+} lm_attn_tensors;
+
+/* The feed-forward half of a block: a gated MLP, a mixture of experts, or both. */
+typedef struct lm_ffn_tensors {
+    const float *ffn_norm;    /* (n_embd) */
+    lm_matrix ffn_gate;       /* (n_ff, n_embd) */
+    lm_matrix ffn_up;         /* (n_ff, n_embd) */
+    lm_matrix ffn_down;       /* (n_embd, n_ff) */
+    lm_matrix ffn_gate_inp;   /* (n_expert, n_embd) router; data NULL: no experts */
+    lm_matrix ffn_gate_exps;  /* (n_expert, n_ff_exp, n_embd) */
+    lm_matrix ffn_up_exps;    /* (n_expert, n_ff_exp, n_embd) */
+    lm_matrix ffn_gate_up_exps; /* (n_expert, 2 n_ff_exp, n_embd) gate rows then up rows; data
+                                   NULL: the two above */
+    lm_matrix ffn_down_exps;  /* (n_expert, n_embd, n_ff_exp) */
+    lm_matrix ffn_gate_inp_shexp; /* (1, n_embd) the shared expert's gate; data NULL: none */
+    lm_matrix ffn_gate_shexp; /* (n_ff_shexp, n_embd) */
+    lm_matrix ffn_up_shexp;   /* (n_ff_shexp, n_embd) */
+    lm_matrix ffn_down_shexp; /* (n_embd, n_ff_shexp) */
+    const float *post_ffn_norm; /* (n_embd) RMS norm of the feed-forward output, or NULL */
+} lm_ffn_tensors;
+
+/* A block of the standard kinds: attention (swa: over a sliding window, with the local
+ * RoPE) and a feed-forward. */
+typedef struct lm_layer_tensors {
+    int swa;
+    lm_attn_tensors attn;
+    lm_ffn_tensors ffn;
+} lm_layer_tensors;
+
+/* The decoder's input and output. */
+typedef struct lm_io_tensors {
+    lm_matrix token_embd;     /* (n_vocab, n_embd) */
+    const float *output_norm; /* (n_embd) */
+    lm_matrix output;         /* (n_vocab, n_embd); token_embd when tied */
+} lm_io_tensors;
+
+/* A decoder of standard blocks. */
+typedef struct lm_decoder_tensors {
+    lm_io_tensors io;
+    const lm_layer_tensors *layers; /* (n_layer) */
+    lm_rotary rope;           /* of the global layers */
+    lm_rotary rope_swa;       /* of the sliding-window layers */
+} lm_decoder_tensors;
+
 /* cdef-end */
 
 #ifdef __cplusplus
