@@ -171,6 +171,25 @@ def _rfc3339(ts: int) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# The endpoints the start-up banner lists, by the API they belong to (all of them: README).
+ENDPOINTS: dict[str, tuple[str, ...]] = {
+    "openai": (
+        "POST /v1/chat/completions",
+        "POST /v1/responses",
+        "POST /v1/completions",
+        "GET /v1/models",
+    ),
+    "anthropic": ("POST /v1/messages", "POST /v1/messages/count_tokens"),
+    "server": (
+        "GET /health",
+        "GET /metrics",
+        "GET /schema/openapi.json",
+        "POST /tokenize",
+        "POST /detokenize",
+    ),
+}
+
+
 def dialect_routes() -> list[ControllerRouterHandler]:
     from .dialects import anthropic, openai_chat, openai_completions, responses, tokenize
 

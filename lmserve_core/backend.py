@@ -109,7 +109,9 @@ class Backend(Protocol):
         """Release the model; called once at shutdown."""
 
     # Optional: ``count_tokens(request) -> int``, the prompt's exact token count
-    # (``/v1/messages/count_tokens``); backends without it get an estimate.
+    # (``/v1/messages/count_tokens``); backends without it get an estimate. ``kv_slots``
+    # and ``kv_bytes`` (the KV caches kept, and the bytes they take at full context) are
+    # shown in the start-up banner.
 
 
 BackendFactory = Callable[[str | None, ServerSettings], Backend]

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -172,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
     o.add_argument(
         "--log-format",
-        choices=["json", "console"],
-        default="json",
-        help="one JSON object per line (default) or human-readable",
+        choices=list(logs.FORMATS),
+        default="auto",
+        help="readable lines (console) or one JSON object per line (json); default auto: "
+        "readable on a terminal, JSON when stderr is a file or a pipe",
     )
     return p
 
@@ -252,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from . import memory
+    from . import banner, memory
     from .app import create_app
     from .engine import Engine
     from .native import kernels
@@ -311,7 +313,32 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=10,
     )
 
+    def announce() -> None:
+        """The banner once the server listens: a ``serving`` event, or a block of lines."""
+        facts = banner.facts(
+            host=args.host,
+            port=args.port,
+            backend=backend,
+            backend_name=spec.name,
+            plugin=spec.plugin,
+            model_path=model,
+            batch=engine.batch_size,
+            decode_precision=args.decode_precision,
+            auth=bool(args.api_key),
+            chat_page=not getattr(args, "no_webui", False),
+        )
+        out = logs.output()
+        if out.json:
+            log.info("serving", **facts)
+        else:
+            print(banner.render(facts, colors=out.colors), file=out.stream, flush=True)
+
     class _Uvicorn(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: no request has been answered yet
+                announce()
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             # Our own handlers: uvicorn's re-raise the signal after the drain, which
@@ -334,17 +361,6 @@ def serve(args: argparse.Namespace) -> int:
                 self.force_exit = True
             self.should_exit = True
 
-    log.info(
-        "serving",
-        url=f"http://{args.host}:{args.port}",
-        model=backend.model_id,
-        backend=spec.name,
-        ctx=backend.context_length,
-        decode_precision=args.decode_precision,
-        batch=engine.batch_size,
-        spec=getattr(getattr(backend, "drafts", None), "name", None),
-        auth=bool(args.api_key),
-    )
     # What is loaded now lives as long as the server: keep it out of the collector's full
     # passes, which would otherwise walk it whenever one runs (~30 ms with SmolLM2's
     # vocabulary and the app, holding the GIL: a stall in every stream running then).
@@ -389,11 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             plugins.load_module_plugin(module)
         return list_plugins_command()
     args = build_parser().parse_args(argv)
-    logs.configure(args.log_level, json=args.log_format == "json")
+    logs.configure(args.log_level, log_format=args.log_format)
     try:
         return serve(args)
     except UsageError as exc:
-        print(f"lmserve: error: {exc}", file=sys.stderr)
+        print(f"lmserve: error: {exc}", file=logs.output().stream)  # clears a progress bar
         return 2
 
 

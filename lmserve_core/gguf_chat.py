@@ -192,6 +192,9 @@ class GGUFChatBackend:
             None if per_pos is None else per_pos * self.context_length
         )
         n_slots = self._guard_memory(settings, per_pos, full, n_slots)
+        # the KV memory the slots take at full context (the start-up banner says it)
+        self.kv_slots = n_slots
+        self.kv_bytes: int | None = None if full is None else int(full) * n_slots
         log.info(
             "kv_cache",
             model=self.model_id,

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import structlog
 
+from .progress import Report, tracker
+
 log = structlog.get_logger("lmserve.kv_disk")
 
 MAGIC = b"LMKV"
@@ -108,15 +110,21 @@ class DiskTier:
 
     # ------------------------------------------------------------------ index
 
-    def scan(self) -> None:
-        """Index every valid file of the directory; skip the others with a warning."""
+    def scan(self, progress: Report | None = None) -> None:
+        """Index every valid file of the directory; skip the others with a warning.
+        ``progress(done, total)`` is called with the files read so far after each
+        (default: :func:`lmserve_core.progress.tracker`'s)."""
+        report = progress or tracker("kv_disk_scan", "scanning the KV disk tier", unit="files")
         entries = []
-        for path in sorted(self.dir.glob("*" + SUFFIX)):
+        paths = sorted(self.dir.glob("*" + SUFFIX))
+        for done, path in enumerate(paths, 1):
             try:
                 entries.append(self._read_index(path))
             except (DiskTierError, OSError) as exc:
                 self.stats.skipped += 1
                 log.warning("kv_disk_skipped", path=str(path), reason=str(exc))
+            report(done, len(paths))
+        report(len(paths), len(paths))  # an empty directory ends it too
         with self._lock:
             self.entries = entries
         log.info("kv_disk", dir=str(self.dir), files=len(entries),

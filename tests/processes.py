@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import pty
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +50,41 @@ class RunningServer:
         return self.process.returncode
 
 
+def on_terminal(
+    cmd: list[str], env: dict[str, str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """Start ``cmd`` with its stdout and stderr on a pseudo-terminal whose output is
+    copied into ``log_path`` as it comes (by the thread returned, until the child's side
+    closes)."""
+    log_path.write_bytes(b"")
+    master, child = pty.openpty()
+    process = subprocess.Popen(cmd, stdout=child, stderr=child, env=env)
+    os.close(child)
+
+    def copy() -> None:
+        with open(log_path, "ab") as log_file:
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child's side is closed
+                    break
+                if not data:
+                    break
+                log_file.write(data)
+                log_file.flush()
+        os.close(master)
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return process, thread
+
+
 def launch(
     *args: str, env: dict[str, str] | None = None, api_key: str | None = API_KEY,
-    log_dir: Path, scripted: bool = True, timeout: float = 60,
+    log_dir: Path, scripted: bool = True, timeout: float = 60, terminal: bool = False,
 ) -> RunningServer:
-    """Start ``lmserve`` and wait until /health answers."""
+    """Start ``lmserve`` and wait until /health answers. Its output goes to a file, or
+    with ``terminal`` to a pseudo-terminal (copied into the file)."""
     port = free_port()
     cmd = [sys.executable, "-m", "lmserve_core", "--port", str(port)]
     if scripted:
@@ -66,8 +98,11 @@ def launch(
     )
     full_env.update(env or {})
     log_path = log_dir / f"lmserve-{port}.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    if terminal:
+        process, _ = on_terminal(cmd, full_env, log_path)
+    else:
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
     server = RunningServer(process, port, log_path, api_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ from lmserve_core import memory
 from lmserve_core.gguf_file import GGUFError, GGUFFile, TensorInfo
 from lmserve_core.model import ATTENTION, AttentionCache, CacheKind
 from lmserve_core.native import kernels
+from lmserve_core.progress import Report, tracker
 
 from .rope import Rope
 
@@ -261,7 +262,10 @@ class NativeForwardModel:
         n_threads: int = 0,
         n_batch: int = DEFAULT_BATCH,
         kv_type: str = "f16",
+        progress: Report | None = None,
     ) -> None:
+        """``progress(done, total)`` is called with the bytes of the file's tensors read so
+        far as each is placed (default: :func:`lmserve_core.progress.tracker`'s)."""
         if not isinstance(n_batch, int) or n_batch <= 0:
             raise ValueError(f"n_batch must be a positive integer, got {n_batch!r}")
         if kv_type not in kernels.CACHE_TYPES:
@@ -289,7 +293,11 @@ class NativeForwardModel:
         self._used: set[str] = set()
         self._base: Any = None
         self._lock = threading.Lock()  # the model's scratch serves one call at a time
+        self._progress = progress or tracker("weights", "loading weights")
+        self._total_bytes = sum(int(info.nbytes) for info in gguf.tensors.values())
+        self._read_bytes = 0
         self.setup()
+        self._progress(self._total_bytes, self._total_bytes)
         if self._base is None:
             raise RuntimeError(f"{type(self).__name__}.setup did not build the native model")
         log.info(
@@ -309,14 +317,17 @@ class NativeForwardModel:
         n_threads: int = 0,
         n_batch: int = DEFAULT_BATCH,
         kv_type: str = "f16",
+        progress: Report | None = None,
     ) -> Any:
-        """Read the config from the GGUF and build the model; ``n_threads`` 0: every core."""
+        """Read the config from the GGUF and build the model; ``n_threads`` 0: every core;
+        ``progress``: see :class:`NativeForwardModel`."""
         return cls(
             gguf,
             cls.config_type.from_gguf(gguf),
             n_threads=n_threads,
             n_batch=n_batch,
             kv_type=kv_type,
+            progress=progress,
         )
 
     def setup(self) -> None:
@@ -336,6 +347,8 @@ class NativeForwardModel:
         ``lm_matrix_rows`` (a fused q/k/v or gate/up tensor); the interleaved layout is
         kept for tensors cut only at multiples of 16 rows."""
         info = self.gguf.require(name, ggml_types=kernels.MATRIX_TYPES, shape=shape)
+        if name not in self._resident:
+            self._count(info)
         data, ggml_type = self._place(info, cuts)
         buf = self.ffi.from_buffer(data)
         self._keep.append(buf)
@@ -343,6 +356,11 @@ class NativeForwardModel:
         field.type = ggml_type
         self._used.add(name)
         return info
+
+    def _count(self, info: TensorInfo) -> None:
+        """One more tensor read: report the progress."""
+        self._read_bytes += int(info.nbytes)
+        self._progress(self._read_bytes, self._total_bytes)
 
     def _place(self, info: TensorInfo, cuts: Sequence[int] = ()) -> tuple[Any, int]:
         """The bytes and type the products read for ``info``, the same values either way.
@@ -429,6 +447,7 @@ class NativeForwardModel:
         """A ``const float *`` to tensor ``name`` (norms, biases): used in place when stored
         as f32, decoded once into a float32 copy otherwise."""
         info = self.gguf.require(name, ggml_types=kernels.MATRIX_TYPES, shape=shape)
+        self._count(info)
         if info.ggml_type == int(kernels.QuantType.F32):
             data: Any = info.data
         else:
