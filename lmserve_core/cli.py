@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("LMSERVE_API_KEY"),
         help="require this key as `Authorization: Bearer` or `x-api-key` on every endpoint "
-        "but /health (default: $LMSERVE_API_KEY, else no auth)",
+        "but /health and the chat page's files, whose page asks for it (default: "
+        "$LMSERVE_API_KEY, else no auth)",
     )
     h.add_argument(
         "--queue",
@@ -118,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGINS",
         help="browser origins allowed to call the API, comma-separated ('*': any; default: "
         "pages served from this machine, http(s)://localhost, 127.0.0.1 or [::1] on any port)",
+    )
+    h.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="do not serve the chat page at / (docs/webui.md)",
     )
     s = p.add_argument_group("scheduling and cache")
     s.add_argument(
@@ -297,7 +304,10 @@ def serve(args: argparse.Namespace) -> int:
     origins = None
     if args.cors_origins is not None:
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
-    app = create_app(server, max_body=int(args.max_body_mb * 1024 * 1024), cors_origins=origins)
+    app = create_app(
+        server, max_body=int(args.max_body_mb * 1024 * 1024), cors_origins=origins,
+        webui=args.webui,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -344,6 +354,7 @@ def serve(args: argparse.Namespace) -> int:
         batch=engine.batch_size,
         spec=getattr(getattr(backend, "drafts", None), "name", None),
         auth=bool(args.api_key),
+        webui=args.webui,
     )
     # What is loaded now lives as long as the server: keep it out of the collector's full
     # passes, which would otherwise walk it whenever one runs (~30 ms with SmolLM2's

@@ -114,7 +114,8 @@ class Family:
             gguf.close()
             raise
         return GGUFChatBackend(
-            name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings
+            name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings,
+            family=self.name,
         )
 
     def register(self, register: Any) -> None:
