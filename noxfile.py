@@ -34,7 +34,9 @@ def install_project(session: nox.Session, *, reference: bool = False) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The whole test suite: core, dialects through real processes, kernels, plugins."""
+    """The whole test suite: core, dialects through real processes, kernels, plugins, and the
+    chat page in headless Chromium (playwright comes with the `test` extra; Chromium is
+    Debian's, which .ci/run installs: see lmserve_core/testing/browser.py)."""
     install_project(session, reference=True)
     session.run(
         "pytest", "tests", *[f"{p}/tests" for p in PLUGINS], "-q",

@@ -24,6 +24,7 @@ from .errors import LmserveError, QueueFull, Unauthorized
 from .metrics import CONTENT_TYPE, dialect_of
 from .plugins import pm
 from .server import Server, ServerDep
+from .webui import routes as webui_routes
 from .wire_errors import error_body
 
 log = structlog.get_logger("lmserve.http")
@@ -154,7 +155,7 @@ def list_models(server: ServerDep) -> dict[str, Any]:
         "type": "model",
         "display_name": server.model_id,
         "created_at": _rfc3339(server.created),
-        "meta": {"backend": server.backend.name, "n_ctx": server.ctx},
+        "meta": model_meta(server),
     }
     return {
         "object": "list",
@@ -162,6 +163,22 @@ def list_models(server: ServerDep) -> dict[str, Any]:
         "has_more": False,
         "first_id": server.model_id,
         "last_id": server.model_id,
+    }
+
+
+def model_meta(server: Server) -> dict[str, Any]:
+    """What a client may want to know of the served model beyond its id (docs/webui.md)."""
+    backend = server.backend
+    caps = backend.capabilities
+    return {
+        "backend": backend.name,
+        "family": getattr(backend, "family", None) or backend.name,
+        "n_ctx": server.ctx,
+        "capabilities": {
+            "reasoning": caps.reasoning,
+            "tools": caps.tool_style,
+            "grammar": caps.grammar,
+        },
     }
 
 
@@ -227,9 +244,10 @@ def create_app(
     max_body: int = DEFAULT_MAX_BODY,
     extra_routes: Sequence[ControllerRouterHandler] = (),
     cors_origins: Sequence[str] | None = None,
+    webui: bool = True,
 ) -> Litestar:
     """Build the application serving ``server``'s engine (``cors_origins``: see
-    :func:`cors_config`)."""
+    :func:`cors_config`; ``webui``: the chat page at ``/``, see :mod:`lmserve_core.webui`)."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -242,7 +260,10 @@ def create_app(
             pm.hook.shutdown(backend=server.backend)
 
     return Litestar(
-        route_handlers=[health, list_models, metrics, *dialect_routes(), *extra_routes],
+        route_handlers=[
+            health, list_models, metrics, *dialect_routes(), *(webui_routes() if webui else []),
+            *extra_routes,
+        ],
         state=State({"metrics": server.engine.metrics}),
         dependencies={"server": Provide(lambda: server, use_cache=True, sync_to_thread=False)},
         guards=[make_auth_guard(server.api_key)],

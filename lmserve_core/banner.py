@@ -59,6 +59,7 @@ def facts(
         "batch": batch,
         "spec": getattr(getattr(backend, "drafts", None), "name", None),
         "auth": auth,
+        "webui": chat_page,
         "chat_url": local + "/" if chat_page else None,
         "openai_base_url": local + "/v1",
         "anthropic_base_url": local,

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("LMSERVE_API_KEY"),
         help="require this key as `Authorization: Bearer` or `x-api-key` on every endpoint "
-        "but /health (default: $LMSERVE_API_KEY, else no auth)",
+        "but /health and the chat page's files, whose page asks for it (default: "
+        "$LMSERVE_API_KEY, else no auth)",
     )
     h.add_argument(
         "--queue",
@@ -119,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGINS",
         help="browser origins allowed to call the API, comma-separated ('*': any; default: "
         "pages served from this machine, http(s)://localhost, 127.0.0.1 or [::1] on any port)",
+    )
+    h.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="do not serve the chat page at / (docs/webui.md)",
     )
     s = p.add_argument_group("scheduling and cache")
     s.add_argument(
@@ -299,7 +306,10 @@ def serve(args: argparse.Namespace) -> int:
     origins = None
     if args.cors_origins is not None:
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
-    app = create_app(server, max_body=int(args.max_body_mb * 1024 * 1024), cors_origins=origins)
+    app = create_app(
+        server, max_body=int(args.max_body_mb * 1024 * 1024), cors_origins=origins,
+        webui=args.webui,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -325,7 +335,7 @@ def serve(args: argparse.Namespace) -> int:
             batch=engine.batch_size,
             decode_precision=args.decode_precision,
             auth=bool(args.api_key),
-            chat_page=not getattr(args, "no_webui", False),
+            chat_page=args.webui,
         )
         out = logs.output()
         if out.json:

@@ -145,8 +145,10 @@ class GGUFChatBackend:
         conventions: FamilyConventions,
         settings: ServerSettings,
         model_id: str | None = None,
+        family: str | None = None,
     ) -> None:
         self.name = name
+        self.family = family or name  # the family plugin's name, e.g. "qwen3" for qwen3moe
         self.gguf = gguf
         self.model = model
         self.conventions = conventions

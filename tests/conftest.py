@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from processes import API_KEY, RunningServer, launch
 
+from lmserve_core.testing.browser import chromium, tab  # noqa: F401  (the chat page's tests)
+
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:

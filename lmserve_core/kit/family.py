@@ -112,7 +112,8 @@ class Family:
             gguf.close()
             raise
         return GGUFChatBackend(
-            name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings
+            name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings,
+            family=self.name,
         )
 
     @hookimpl

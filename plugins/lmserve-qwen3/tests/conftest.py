@@ -26,6 +26,7 @@ from collections.abc import Callable
 import pytest
 from synthetic import QWEN3, SyntheticModel
 
+from lmserve_core.testing.browser import chromium, tab  # noqa: F401  (test_qwen3_webui.py)
 from lmserve_core.testing.synthetic import skipping_factory
 
 Factory = Callable[..., SyntheticModel]

@@ -79,6 +79,7 @@ def test_wheels_install_into_a_fresh_venv_and_serve_qwen3(
     # families compile against the core's installed kit headers; no build debris ships
     core_files, qwen3_files = members(core), members(qwen3)
     assert "lmserve_core/native/include/lmserve/kit.h" in core_files
+    assert "lmserve_core/webui/index.html" in core_files  # the chat page at /
     debris = (".o", "_forward.c", "_kernels.c")
     assert not [n for n in core_files | qwen3_files if n.endswith(debris)]
     assert [n for n in qwen3_files if n.startswith("lmserve_qwen3/_forward.") and n.endswith(".so")]
@@ -119,6 +120,8 @@ def test_wheels_install_into_a_fresh_venv_and_serve_qwen3(
                 pass
             time.sleep(0.2)
         assert health.json()["status"] == "ok", health.text
+        page = httpx.get(base + "/webui/app.js", timeout=10)
+        assert page.status_code == 200 and "v1/chat/completions" in page.text
         reply = httpx.post(
             base + "/v1/chat/completions", timeout=60,
             json={"model": "any", "messages": [{"role": "user", "content": "Hello"}],
