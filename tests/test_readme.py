@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from processes import free_port
 
 pytestmark = pytest.mark.slow
