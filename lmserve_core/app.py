@@ -20,7 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ControllerRouterHandler
 
 from . import __version__
-from .errors import LmserveError, QueueFull, Unauthorized
+from .errors import LmserveError, NotFound, QueueFull, Unauthorized
 from .metrics import CONTENT_TYPE, dialect_of
 from .plugins import pm
 from .server import Server, ServerDep
@@ -57,8 +57,11 @@ def _error_response(request: Request[Any, Any, Any], status: int, message: str, 
     if status == 429:
         headers["retry-after"] = str(kw.pop("retry_after", 1))
     kw.pop("retry_after", None)
+    anthropic_client = "anthropic-version" in request.headers
     return Response(
-        content=error_body(request.url.path, status, message, **kw),
+        content=error_body(
+            request.url.path, status, message, anthropic_client=anthropic_client, **kw
+        ),
         status_code=status,
         media_type=MediaType.JSON,
         headers=headers,
@@ -147,7 +150,35 @@ def health(server: ServerDep) -> Response[dict[str, Any]]:
 @get(["/v1/models", "/models"], sync_to_thread=False)
 def list_models(server: ServerDep) -> dict[str, Any]:
     """The one loaded model, in a shape both OpenAI and Anthropic clients read."""
-    model = {
+    return {
+        "object": "list",
+        "data": [model_object(server)],
+        "has_more": False,
+        "first_id": server.model_id,
+        "last_id": server.model_id,
+    }
+
+
+@get(["/v1/models/{model_id:path}", "/models/{model_id:path}"], sync_to_thread=False)
+def retrieve_model(model_id: str, server: ServerDep) -> dict[str, Any]:
+    """The loaded model by its id (OpenAI's and Anthropic's retrieve), in the shape of
+    :func:`list_models`' entries; any other id is a 404 naming it."""
+    wanted = model_id.lstrip("/")  # an id may hold slashes (--model-id org/name)
+    if wanted != server.model_id:
+        raise NotFound(
+            f"The model '{wanted}' does not exist; this server serves '{server.model_id}'",
+            param="model",
+            code="model_not_found",
+        )
+    return model_object(server)
+
+
+def model_object(server: Server) -> dict[str, Any]:
+    """The served model with the fields of both APIs' model objects: OpenAI's (``id``,
+    ``object``, ``created``, ``owned_by``), Anthropic's (``type``, ``display_name``,
+    ``created_at``, ``lifecycle``, ``max_input_tokens``, ``max_tokens``), and lmserve's
+    ``meta``."""
+    return {
         "id": server.model_id,
         "object": "model",
         "created": server.created,
@@ -155,14 +186,10 @@ def list_models(server: ServerDep) -> dict[str, Any]:
         "type": "model",
         "display_name": server.model_id,
         "created_at": _rfc3339(server.created),
+        "lifecycle": "active",
+        "max_input_tokens": server.ctx,
+        "max_tokens": server.ctx,
         "meta": model_meta(server),
-    }
-    return {
-        "object": "list",
-        "data": [model],
-        "has_more": False,
-        "first_id": server.model_id,
-        "last_id": server.model_id,
     }
 
 
@@ -261,7 +288,7 @@ def create_app(
 
     return Litestar(
         route_handlers=[
-            health, list_models, metrics, *dialect_routes(), *(webui_routes() if webui else []),
+            health, list_models, retrieve_model, metrics, *dialect_routes(), *(webui_routes() if webui else []),
             *extra_routes,
         ],
         state=State({"metrics": server.engine.metrics}),

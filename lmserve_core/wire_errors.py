@@ -1,4 +1,5 @@
-"""Error envelopes of the two API families, chosen by the request path."""
+"""Error envelopes of the two API families, chosen by the request path (and, on the paths
+both APIs define, by the client)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ def is_anthropic_path(path: str) -> bool:
     return path.rstrip("/").endswith("/messages") or "/messages/" in path
 
 
+def is_shared_path(path: str) -> bool:
+    """A path both APIs define (``/v1/models``, ``/v1/models/{id}``)."""
+    key = path.strip("/")
+    key = key[3:] if key.startswith("v1/") else key
+    return key == "models" or key.startswith("models/")
+
+
 def openai_error(
     status: int, message: str, *, param: str | None = None, code: str | None = None,
     kind: str | None = None,
@@ -56,8 +64,11 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
 
 def error_body(
     path: str, status: int, message: str, *, param: str | None = None, code: str | None = None,
-    kind: str | None = None,
+    kind: str | None = None, anthropic_client: bool = False,
 ) -> dict[str, Any]:
-    if is_anthropic_path(path):
+    """The error in the envelope of the path's API; on a path both APIs define, in
+    Anthropic's when the client is one (``anthropic_client``: it sent ``anthropic-version``,
+    as Anthropic's SDKs always do)."""
+    if is_anthropic_path(path) or (anthropic_client and is_shared_path(path)):
         return anthropic_error(status, message)
     return openai_error(status, message, param=param, code=code, kind=kind)

@@ -892,3 +892,15 @@ def test_translate_allowed_tools() -> None:
     with pytest.raises(InvalidRequest) as info:
         choice("required", [{"type": "function", "function": {"name": "missing"}}])
     assert info.value.param == "tool_choice"
+
+
+def test_models_retrieve(openai_client: openai.OpenAI) -> None:
+    model = openai_client.models.retrieve("scripted-model")
+    assert (model.id, model.object, model.owned_by) == ("scripted-model", "model", "lmserve")
+    assert model.created > 0
+    assert model.meta["backend"] == "scripted"  # type: ignore[attr-defined]
+    assert model.model_dump() == openai_client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        openai_client.models.retrieve("gpt-nope")
+    assert "'gpt-nope'" in info.value.message
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"

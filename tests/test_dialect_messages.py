@@ -584,6 +584,25 @@ def test_other_unsupported_blocks(server: RunningServer, block: dict[str, Any], 
     assert f"'{name}'" in response.json()["error"]["message"]
 
 
+def test_models_retrieve(server: RunningServer, anthropic_client: anthropic.Anthropic) -> None:
+    info = anthropic_client.models.retrieve("scripted-model")
+    assert (info.id, info.type, info.display_name) == ("scripted-model", "model", "scripted-model")
+    assert info.created_at.year >= 2024
+    assert info.max_input_tokens and info.max_input_tokens > 0
+    listed = anthropic_client.models.list()
+    assert [m.id for m in listed.data] == ["scripted-model"]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        anthropic_client.models.retrieve("claude-nope")
+    error = missing.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "not_found_error" and "'claude-nope'" in error["message"]
+    # on the paths both APIs share, anthropic-version picks Anthropic's envelope
+    url = server.base_url + "/v1/models/scripted-model"
+    refused = httpx.get(url, headers={**HEADERS, "x-api-key": "wrong"})
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    assert refused.json()["type"] == "error"
+
+
 def test_image_in_tool_result_is_rejected(server: RunningServer) -> None:
     body = {
         "model": "m",

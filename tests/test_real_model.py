@@ -172,3 +172,15 @@ def test_f32_decode_precision_serves_the_same_greedy_reply(smol, oai, tmp_path) 
     finally:
         f32.stop()
     assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_models_retrieve_through_both_sdks(oai, ant) -> None:
+    served = oai.models.list().data[0].id
+    model = oai.models.retrieve(served)
+    assert (model.id, model.object, model.owned_by) == (served, "model", "lmserve")
+    info = ant.models.retrieve(served)
+    assert (info.id, info.type, info.max_input_tokens) == (served, "model", 8192)
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+    with pytest.raises(anthropic.NotFoundError):
+        ant.models.retrieve("claude-sonnet-4-5")
