@@ -563,13 +563,6 @@ def test_image_block_is_rejected_by_name(anthropic_client: anthropic.Anthropic) 
 @pytest.mark.parametrize(
     ("block", "name"),
     [
-        (
-            {
-                "type": "document",
-                "source": {"type": "text", "data": "x", "media_type": "text/plain"},
-            },
-            "document",
-        ),
         ({"type": "search_result", "source": "s", "title": "t", "content": []}, "search_result"),
         (
             {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}},
@@ -582,6 +575,110 @@ def test_other_unsupported_blocks(server: RunningServer, block: dict[str, Any], 
     response = post(server.base_url, body)
     assert response.status_code == 400
     assert f"'{name}'" in response.json()["error"]["message"]
+
+
+def test_document_blocks_are_user_text(anthropic_client: anthropic.Anthropic) -> None:
+    got = echoed(
+        anthropic_client.messages.create(
+            model="m",
+            max_tokens=64,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "document",
+                            "source": {
+                                "type": "text",
+                                "media_type": "text/plain",
+                                "data": "The sky is green.",
+                            },
+                            "title": "Notes",
+                            "context": "Written in 2020",
+                            "citations": {"enabled": True},
+                        },
+                        {
+                            "type": "document",
+                            "source": {
+                                "type": "content",
+                                "content": [
+                                    {"type": "text", "text": "Part one."},
+                                    {"type": "text", "text": "Part two."},
+                                ],
+                            },
+                        },
+                        {"type": "text", "text": "What colour is the sky? #echo"},
+                    ],
+                }
+            ],
+        )
+    )
+    assert got["messages"][-1] == {
+        "role": "user",
+        "content": "Document: Notes\nContext: Written in 2020\n\nThe sky is green.\n\n"
+        "Document\n\nPart one.\n\nPart two.\n\nWhat colour is the sky? #echo",
+        "reasoning": None,
+        "tool_calls": [],
+    }
+
+
+@pytest.mark.parametrize(
+    ("source", "field"),
+    [
+        ({"type": "base64", "media_type": "application/pdf", "data": "JVBE"}, "source.type"),
+        ({"type": "url", "url": "https://example.com/a.pdf"}, "source.type"),
+        ({"type": "file", "file_id": "file_1"}, "source.type"),
+        ({"type": "text", "media_type": "text/html", "data": "x"}, "source.media_type"),
+        ({"type": "text", "media_type": "text/plain"}, "source.data"),
+        ({"type": "content", "content": [{"type": "image", "source": {}}]}, "source.content[0].type"),
+        ({"type": "content", "content": 5}, "source.content"),
+    ],
+)
+def test_document_sources_not_served_name_the_field(
+    anthropic_client: anthropic.Anthropic, source: dict[str, Any], field: str
+) -> None:
+    document = {"type": "document", "source": source}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(
+            model="m", max_tokens=8,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, document]}],
+        )
+    assert f"'messages[0].content[1].{field}'" in info.value.body["error"]["message"]
+
+
+def test_document_in_a_tool_result() -> None:
+    req = translated(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [
+                                {"type": "document", "title": "a.txt",
+                                 "source": {"type": "content", "content": "text of a"}},
+                            ],
+                        }
+                    ],
+                },
+            ]
+        }
+    )
+    assert req.messages[-1].role == "tool"
+    assert req.messages[-1].content == "Document: a.txt\n\ntext of a"
+    with pytest.raises(InvalidRequest) as info:
+        translated(
+            {"messages": [{"role": "user", "content": [
+                {"type": "document", "source": {"type": "base64", "data": "x"}}]}]}
+        )
+    assert info.value.param == "messages[0].content[0].source.type"
 
 
 def test_models_retrieve(server: RunningServer, anthropic_client: anthropic.Anthropic) -> None:

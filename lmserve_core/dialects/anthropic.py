@@ -31,6 +31,7 @@ from .anthropic_encoder import MessageStreamEncoder, message_body
 from .anthropic_models import (
     ContentBlock,
     CountTokensRequest,
+    DocumentBlock,
     InputMessage,
     MessagesRequest,
     OutputFormat,
@@ -69,9 +70,78 @@ def _unsupported_block(block: Any, where: str) -> InvalidRequest:
     kind = _block_type(block)
     return InvalidRequest(
         f"content block type '{kind}' is not supported by this server ({where}); "
-        "only text, thinking, tool_use and tool_result blocks are accepted",
+        "only text, document (text sources), thinking, tool_use and tool_result blocks "
+        "are accepted",
         param=where,
     )
+
+
+_DOCUMENT_SOURCES = {
+    "base64": "PDF documents are not supported (the model reads text only)",
+    "url": "documents are not fetched from URLs",
+    "file": "there is no Files API to read documents from",
+}
+
+
+def _document_text(block: DocumentBlock, where: str) -> str:
+    """A document block as the text the model reads: a ``Document: <title>`` line (just
+    ``Document`` without a title), a ``Context: <context>`` line when there is context, a
+    blank line, then the document's text. Sources other than ``text`` and ``content`` are
+    a 400 naming ``<where>.source.type``."""
+    source = block.source
+    if source is None:
+        raise InvalidRequest(f"'{where}.source' is required", param=f"{where}.source")
+    kind = source.get("type")
+    if kind == "text":
+        media = source.get("media_type", "text/plain")
+        if media != "text/plain":
+            raise InvalidRequest(
+                f"'{where}.source.media_type' must be 'text/plain' for a text source "
+                f"(got {media!r})",
+                param=f"{where}.source.media_type",
+            )
+        text = source.get("data")
+        if not isinstance(text, str):
+            raise InvalidRequest(
+                f"'{where}.source.data' must be a string", param=f"{where}.source.data"
+            )
+    elif kind == "content":
+        text = _document_content(source.get("content"), f"{where}.source.content")
+    else:
+        why = _DOCUMENT_SOURCES.get(str(kind), "only text and content sources are served")
+        raise InvalidRequest(
+            f"'{where}.source.type' {kind!r} is not supported: {why}; send the document as "
+            "a text source",
+            param=f"{where}.source.type",
+        )
+    head = f"Document: {block.title}" if block.title else "Document"
+    if block.context:
+        head += f"\nContext: {block.context}"
+    return f"{head}\n\n{text}"
+
+
+def _document_content(content: Any, where: str) -> str:
+    """A ``content`` source: a string, or text blocks joined with a blank line."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            f"'{where}' must be a string or a list of text blocks", param=where
+        )
+    parts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise InvalidRequest(
+                f"'{where}[{k}].type' {kind!r} is not supported in a document: only text "
+                "blocks are",
+                param=f"{where}[{k}].type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"'{where}[{k}].text' must be a string", param=f"{where}[{k}].text")
+        parts.append(text)
+    return "\n\n".join(parts)
 
 
 def _system_text(system: str | list[TextBlock] | None) -> list[str]:
@@ -91,9 +161,12 @@ def _tool_result_text(block: ToolResultBlock, where: str) -> str:
     else:
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, TextBlock):
+            if isinstance(part, TextBlock):
+                parts.append(part.text)
+            elif isinstance(part, DocumentBlock):
+                parts.append(_document_text(part, f"{where}.content[{j}]"))
+            else:
                 raise _unsupported_block(part, f"{where}.content[{j}]")
-            parts.append(part.text)
         text = "\n".join(parts)
     # the model must see that the call failed; the template has no error flag of its own
     if block.is_error:
@@ -154,6 +227,8 @@ def _translate_messages(
         for j, block in enumerate(blocks):
             if isinstance(block, TextBlock):
                 pending.append(block.text)
+            elif isinstance(block, DocumentBlock):
+                pending.append(_document_text(block, f"messages[{i}].content[{j}]"))
             elif isinstance(block, ToolResultBlock):
                 if pending:
                     out.append(Message("user", "\n\n".join(pending)))

@@ -2,8 +2,8 @@
 
 Fields are typed as loosely as real clients need; unknown fields (``cache_control``,
 ``citations``, ``defer_loading``, ...) are ignored. Content blocks are a tagged union on
-``type``: block types the server cannot serve (images, documents, server-tool results) are
-still declared so the translation can reject them with a message naming the block type.
+``type``: block types the server cannot serve (images, search results, server-tool results)
+are still declared so the translation can reject them with a message naming the block type.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ class ImageBlock(Struct, tag_field="type", tag="image", kw_only=True):
 
 
 class DocumentBlock(Struct, tag_field="type", tag="document", kw_only=True):
+    """A document: ``source`` is checked by the translation, which serves the ``text`` and
+    ``content`` sources and names the field of any other."""
+
     source: dict[str, Any] | None = None
+    title: str | None = None
+    context: str | None = None
 
 
 class SearchResultBlock(Struct, tag_field="type", tag="search_result", kw_only=True):
