@@ -156,7 +156,8 @@ class GGUFChatBackend:
         self.model_id = model_id or Path(gguf.path).stem
         conventions = file_sampling(gguf, conventions)
         self.conventions = conventions
-        self.capabilities: Capabilities = conventions.capabilities
+        # the sampler biases logits by token id on every family
+        self.capabilities: Capabilities = replace(conventions.capabilities, logit_bias=True)
         self.context_length = int(settings.ctx)
         if self.context_length < 2:
             raise ValueError(f"the context must hold at least 2 tokens, got {self.context_length}")
@@ -407,6 +408,7 @@ class GGUFChatBackend:
                 code="context_length_exceeded",
             )
         max_tokens = max(0, min(int(request.max_tokens), self.context_length - n))
+        self._check_bias(request)
         constraint, tools = self._tool_plan(request)
         matcher = None
         if constraint is not None:
@@ -417,6 +419,17 @@ class GGUFChatBackend:
                 )
             matcher = self._matcher(constraint)
         return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools)
+
+    def _check_bias(self, request: NormalizedRequest) -> None:
+        """A 400 naming ``logit_bias`` for a biased id outside the vocabulary."""
+        n = self.vocab_size
+        for token in request.sampling.logit_bias or ():
+            if not 0 <= token < n:
+                raise InvalidRequest(
+                    f"'logit_bias' key '{token}' is not a token id of this model "
+                    f"(its vocabulary is 0 to {n - 1})",
+                    param="logit_bias",
+                )
 
     def _tool_plan(
         self, request: NormalizedRequest

@@ -81,6 +81,9 @@ class Sampling:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    # Added to the logits of these token ids before anything else (OpenAI's logit_bias);
+    # None or empty: no bias.
+    logit_bias: dict[int, float] | None = None
 
 
 DEFAULT_MAX_TOKENS = 1024

@@ -1,8 +1,10 @@
 """Token sampling in numpy, in llama.cpp's order.
 
-Penalties (repeat over the last 64 tokens, OpenAI presence/frequency over everything
-generated), then an optional allowed-token mask, then greedy when the temperature is 0,
-else top-k -> top-p -> min-p -> temperature -> a draw from a seeded generator.
+The request's logit bias (OpenAI's ``logit_bias``: a number added to the logits of given
+token ids), then penalties (repeat over the last 64 tokens, OpenAI presence/frequency over
+everything generated), then an optional allowed-token mask, then greedy when the
+temperature is 0, else top-k -> top-p -> min-p -> temperature -> a draw from a seeded
+generator.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ResolvedSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), no id twice
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +57,9 @@ def resolve(
         presence_penalty=float(pick(sampling.presence_penalty, 0.0)),
         frequency_penalty=float(pick(sampling.frequency_penalty, 0.0)),
         seed=sampling.seed if sampling.seed is not None else seed,
+        logit_bias=tuple(
+            (int(tok), float(bias)) for tok, bias in (sampling.logit_bias or {}).items() if bias
+        ),
     )
 
 
@@ -73,6 +79,13 @@ class Sampler:
             resolved.presence_penalty != 0.0 or resolved.frequency_penalty != 0.0
         )
         self._penalize_recent = resolved.repeat_penalty not in (0.0, 1.0)
+        self._bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids, biases)
+        if resolved.logit_bias:
+            ids = np.array([tok for tok, _ in resolved.logit_bias], dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise ValueError(f"a logit bias names a token outside [0, {vocab_size})")
+            biases = np.array([bias for _, bias in resolved.logit_bias], dtype=np.float32)
+            self._bias = ids, biases
         # Running counts of generated tokens, updated from the tail of `recent` only, so a
         # long reply costs O(new tokens) per step instead of a recount.
         self._counts = np.zeros(vocab_size, dtype=np.float32) if self._penalize_counts else None
@@ -122,15 +135,20 @@ class Sampler:
         self.logprobs = None
         vals = logits[: self.vocab_size]
         window = recent[-REPEAT_LAST_N:] if self._penalize_recent else ()
-        if not window and not self._penalize_counts:
+        if not window and not self._penalize_counts and self._bias is None:
             return self._sample_and_score(vals, mask, logprobs, draft)
         if not vals.flags.writeable:
             vals = vals.copy()
-        # Patch the few penalised rows in place and restore them afterwards: copying a
-        # 262k-entry vocabulary per token would cost more than all the penalties together.
+        # Patch the few biased and penalised rows in place and restore them afterwards:
+        # copying a 262k-entry vocabulary per token would cost more than all of them together.
         patches: list[tuple[np.ndarray, np.ndarray]] = []
         try:
             r = self.resolved
+            if self._bias is not None:  # first, as llama.cpp's sampler chain does
+                ids, biases = self._bias
+                old = vals[ids]
+                patches.append((ids, old))
+                vals[ids] = old + biases
             if window:
                 ids = np.fromiter(set(window), dtype=np.int64)
                 old = vals[ids]
@@ -226,7 +244,8 @@ def token_logprobs(
     vals: np.ndarray, mask: np.ndarray | None, tok: int, top: int
 ) -> tuple[int, float, list[tuple[int, float]]]:
     """Log-probabilities under the distribution the reported ``logprobs`` are taken from:
-    the softmax of the logits after the penalties and the grammar's mask (disallowed tokens
+    the softmax of the logits after the logit bias, the penalties and the grammar's mask
+    (disallowed tokens
     get -inf), before temperature and the top-k / top-p / min-p cut-offs, so they do not
     depend on how the token was drawn. Returns the sampled token's, and the ``top`` most
     likely tokens', most likely first."""

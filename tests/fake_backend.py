@@ -14,7 +14,8 @@ PYTHONPATH). The reply is driven by directives in the last user message:
                     (constraint, tools, tool choice, reasoning, messages, ...)
 
 Directives end at the next `` #`` or the end of the message. Capabilities come from
-``LMSERVE_SCRIPTED_CAPS`` (comma list of grammar, reasoning, tools; default all).
+``LMSERVE_SCRIPTED_CAPS`` (comma list of grammar, reasoning, tools, logit_bias; default
+all). The vocabulary is the 256 byte values (``/tokenize``, ``logit_bias`` ids).
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ _DIRECTIVE = re.compile(
 
 
 def _capabilities() -> Capabilities:
-    raw = os.environ.get("LMSERVE_SCRIPTED_CAPS", "grammar,reasoning,tools")
+    raw = os.environ.get("LMSERVE_SCRIPTED_CAPS", "grammar,reasoning,tools,logit_bias")
     caps = {c.strip() for c in raw.split(",")}
     return Capabilities(
         grammar="grammar" in caps,
         reasoning="reasoning" in caps,
         tools=HERMES if "tools" in caps else None,
+        logit_bias="logit_bias" in caps,
     )
 
 
@@ -68,6 +70,7 @@ def _echo(request: NormalizedRequest) -> str:
         "reasoning": request.reasoning,
         "reasoning_budget": request.reasoning_budget,
         "prompt_tokens": request.prompt_tokens,
+        "logit_bias": {str(k): v for k, v in (request.sampling.logit_bias or {}).items()},
         "template_kwargs": request.template_kwargs,
         "messages": [
             {
@@ -121,6 +124,12 @@ class ScriptedBackend:
                 code="context_length_exceeded",
             )
         request.prompt_tokens = n
+        for token in request.sampling.logit_bias or ():
+            if not 0 <= token < 256:
+                raise InvalidRequest(
+                    f"'logit_bias' key '{token}' is not a token id of this model",
+                    param="logit_bias",
+                )
 
     def generate(self, request: NormalizedRequest, sink: EventSink) -> Finish:
         directives = {name: (arg or "") for name, arg in _DIRECTIVE.findall(self._prompt_text(request))}

@@ -501,7 +501,10 @@ def test_missing_key(server: Any) -> None:
     [
         ({"n": 17}, "n"),
         ({"n": 0}, "n"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"logit_bias": {"300": 5}}, "logit_bias"),  # outside the backend's vocabulary
+        ({"logit_bias": [[42, 5]]}, "logit_bias"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
@@ -633,7 +636,7 @@ def test_backend_without_capabilities(start_server: Any) -> None:
 
 # -- translation ---------------------------------------------------------------------------
 
-ALL_CAPS = Capabilities(grammar=True, reasoning=True, tools=HERMES)
+ALL_CAPS = Capabilities(grammar=True, reasoning=True, tools=HERMES, logit_bias=True)
 
 
 def translate(body: dict[str, Any], caps: Capabilities = ALL_CAPS, ctx: int = 4096) -> Any:
@@ -892,6 +895,37 @@ def test_translate_allowed_tools() -> None:
     with pytest.raises(InvalidRequest) as info:
         choice("required", [{"type": "function", "function": {"name": "missing"}}])
     assert info.value.param == "tool_choice"
+
+
+def test_translate_logit_bias() -> None:
+    req = translate({"messages": user("x"), "logit_bias": {"42": -100, "7": 0, "0009": 2.5}})
+    assert req.sampling.logit_bias == {42: -100.0, 9: 2.5}  # a zero bias is no bias
+    assert translate({"messages": user("x"), "logit_bias": {}}).sampling.logit_bias is None
+    for bias, names in (
+        ({"x1": 1}, "'x1'"),
+        ({"1.5": 1}, "'1.5'"),
+        ({"5": 100.5}, "'5'"),
+        ({"5": True}, "'5'"),
+        ({"5": None}, "'5'"),
+        ({"5": 1, "05": 2}, "'05'"),
+        ({str(i): 1 for i in range(1025)}, "1024"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            translate({"messages": user("x"), "logit_bias": bias})
+        assert info.value.param == "logit_bias" and names in info.value.message
+    # a backend that cannot bias logits refuses a bias, with the field named
+    with pytest.raises(Unsupported) as unsupported:
+        translate({"messages": user("x"), "logit_bias": {"5": 1}}, Capabilities())
+    assert unsupported.value.status == 501 and unsupported.value.param == "logit_bias"
+    assert translate({"messages": user("x"), "logit_bias": {"5": 0}}, Capabilities())
+
+
+def test_logit_bias_reaches_the_backend(openai_client: openai.OpenAI) -> None:
+    completion = openai_client.chat.completions.create(
+        model="m", messages=user("#echo"), logit_bias={"42": -100, "7": 5}
+    )
+    echoed = json.loads(completion.choices[0].message.content or "")
+    assert echoed["logit_bias"] == {"42": -100.0, "7": 5.0}
 
 
 def test_models_retrieve(openai_client: openai.OpenAI) -> None:

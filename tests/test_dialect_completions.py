@@ -129,7 +129,8 @@ def test_raw_stream_ends_with_done(server: Any) -> None:
         ({"best_of": 2}, "best_of"),
         ({"n": 17}, "n"),
         ({"logprobs": 6}, "logprobs"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, "logit_bias"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
         ({"temperature": 9}, "temperature"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"regex": "a", "lark": "start: /a/"}, "lark"),
@@ -169,3 +170,10 @@ def test_translate() -> None:
     assert req.max_tokens == 2048  # clamped to the context
     assert req.stop == ["\n"]
     assert req.constraint is not None and req.constraint.kind == "regex"
+
+
+def test_logit_bias_reaches_the_backend(openai_client: openai.OpenAI) -> None:
+    reply = openai_client.completions.create(
+        model="m", prompt="#echo", logit_bias={"65": 100}, max_tokens=64
+    )
+    assert json.loads(reply.choices[0].text)["logit_bias"] == {"65": 100.0}

@@ -184,3 +184,24 @@ def test_models_retrieve_through_both_sdks(oai, ant) -> None:
         oai.models.retrieve("gpt-4o")
     with pytest.raises(anthropic.NotFoundError):
         ant.models.retrieve("claude-sonnet-4-5")
+
+
+def test_logit_bias_bans_and_forces_tokens(smol, oai) -> None:
+    def token_ids(text: str) -> list[dict]:  # type: ignore[type-arg]
+        reply = httpx.post(smol.base_url + "/tokenize", headers={"x-api-key": API_KEY},
+                           json={"content": text, "with_pieces": True}, timeout=30)
+        return reply.json()["tokens"]
+
+    kwargs = dict(model="m", messages=QUESTION, temperature=0, max_tokens=4, logprobs=True)
+    plain = oai.chat.completions.create(**kwargs).choices[0]
+    first = plain.logprobs.content[0].token
+    (token,) = token_ids(first)  # the greedy first token, by id
+    banned = oai.chat.completions.create(**kwargs, logit_bias={str(token["id"]): -100}).choices[0]
+    assert banned.logprobs.content[0].token != first
+    assert banned.message.content != plain.message.content
+    forced_token = token_ids(" banana")[0]
+    forced = oai.chat.completions.create(**kwargs, logit_bias={str(forced_token["id"]): 100})
+    entries = forced.choices[0].logprobs.content
+    assert [e.token for e in entries] == [forced_token["piece"]] * 4
+    # the logprobs are those of the biased distribution: the forced token is certain
+    assert all(e.logprob > -1e-3 for e in entries)

@@ -183,3 +183,53 @@ def test_logprobs_are_the_softmax_after_penalties_and_mask() -> None:
     assert [i for i, _ in top] == [1, 0, 3, 4]  # the disallowed token is not offered
     assert [v for _, v in top] == pytest.approx(list(want[[1, 0, 3, 4]]), abs=1e-6)
     assert penalised.sample(logits) == 0 and penalised.logprobs is None
+
+
+def test_logit_bias_is_added_before_sampling() -> None:
+    logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    before = logits.copy()
+    # greedy honours it: -100 bans the best token, +100 forces another
+    assert Sampler(rs(temperature=0.0, logit_bias=((1, -100.0),)), 4).sample(logits) == 2
+    assert Sampler(rs(temperature=0.0, logit_bias=((3, 100.0),)), 4).sample(logits) == 3
+    assert Sampler(rs(temperature=0.0, logit_bias=((2, 0.2),)), 4).sample(logits) == 2
+    assert np.array_equal(logits, before)  # the caller's logits are restored
+    frozen = before.copy()
+    frozen.flags.writeable = False
+    assert Sampler(rs(temperature=0.0, logit_bias=((0, 100.0),)), 4).sample(frozen) == 0
+    # sampling: a banned token is never drawn, a forced one always is
+    banned = Sampler(rs(logit_bias=((1, -100.0), (2, -100.0))), 4)
+    assert {banned.sample(logits * 0) for _ in range(200)} == {0, 3}
+    forced = Sampler(rs(temperature=2.0, logit_bias=((3, 100.0),)), 4)
+    assert {forced.sample(logits) for _ in range(200)} == {3}
+    # before the penalties (llama.cpp's order): the repeat penalty divides the biased logit
+    both = Sampler(rs(temperature=0.0, repeat_penalty=2.0, logit_bias=((2, 3.0),)), 4)
+    assert both.sample(logits, [2]) == 1  # (2.9 + 3) / 2 < 3.0
+    with pytest.raises(ValueError):
+        Sampler(rs(logit_bias=((4, 1.0),)), 4)
+
+
+def test_logit_bias_from_the_request() -> None:
+    r = resolve(Sampling(logit_bias={7: -100.0, 3: 0.0, 5: 2.5}), SamplingDefaults())
+    assert r.logit_bias == ((7, -100.0), (5, 2.5))  # a zero bias changes nothing
+    assert resolve(Sampling(), SamplingDefaults()).logit_bias == ()
+
+
+def test_logit_bias_under_a_mask_and_with_drafts_and_logprobs() -> None:
+    logits = logits_of(PROBS)
+    # a grammar's mask wins: a banned token it alone allows is still the one taken
+    only_banned = np.array([False, True, False, False, False])
+    greedy = Sampler(rs(temperature=0.0, logit_bias=((1, -100.0),)), 5)
+    assert greedy.sample(logits, mask=only_banned) == 1
+    assert greedy.sample(logits, mask=~only_banned) == 0
+    # a draft is checked against the biased logits
+    biased = Sampler(rs(temperature=0.0, logit_bias=((0, -100.0),)), 5)
+    assert biased.sample(logits, draft=0) == 1
+    assert biased.sample(logits, draft=1) == 1
+    # logprobs are those of the biased distribution
+    scored = Sampler(rs(temperature=0.0, logit_bias=((4, 100.0),)), 5)
+    assert scored.sample(logits, logprobs=2) == 4
+    assert scored.logprobs is not None
+    tok, value, top = scored.logprobs
+    assert tok == 4 and value == pytest.approx(0.0, abs=1e-6)
+    assert [i for i, _ in top] == [4, 0]
+    assert top[1][1] == pytest.approx(math.log(PROBS[0]) - math.log(PROBS[4]) - 100, abs=1e-3)

@@ -474,3 +474,35 @@ def test_spec_flag_reaches_the_backend(gguf: GGUFFile) -> None:
             conventions=make_backend(gguf).conventions,
             settings=ServerSettings(ctx=512, extra={"spec_draft": "/nonexistent.gguf"}),
         )
+
+
+def test_logit_bias_holds_under_speculation_and_grammars(gguf: GGUFFile) -> None:
+    """A request's logit bias moves greedy output; drafts are verified against the biased
+    logits, so speculation changes nothing; a grammar still has its way with a banned token."""
+    from lmserve_core.errors import InvalidRequest
+
+    b0 = make_backend(gguf)
+    reply = "alpha beta gamma delta"
+    script = ids(b0, reply) + [IM_END]
+    swap = ids(b0, " omega")[0]
+    bias = {script[1]: -100.0, swap: 1.0}  # ban " beta", favour " omega" a little
+    biased = Sampling(temperature=0.0, logit_bias=bias)
+    _, unbiased = run(make_backend(gguf, script), chat("go", max_tokens=20))
+    plain, alone = run(make_backend(gguf, script), chat("go", max_tokens=20, sampling=biased))
+    assert unbiased.text == reply and alone.text == "alpha omega gamma delta"
+    for drafts in (script[1:], ids(b0, alone.text)[1:]):  # the unbiased reply, the biased one
+        backend = make_backend(gguf, script)
+        backend.drafts = FixedDrafts(drafts)  # type: ignore[assignment]
+        finish, sink = run(backend, chat("go", max_tokens=20, sampling=biased))
+        assert sink.text == alone.text and finish == plain
+        check_shadow(backend)
+    # a grammar that needs the banned text gets it (spelled in tokens the bias leaves alone)
+    pytest.importorskip("llguidance")
+    regex = Constraint(kind="regex", source="alpha beta( gamma)?")
+    _, sink = run(make_backend(gguf, script), chat("go", max_tokens=20, sampling=biased,
+                                                   constraint=regex))
+    assert sink.text in ("alpha beta", "alpha beta gamma")
+    # ids outside the vocabulary are refused before generation, naming the field
+    with pytest.raises(InvalidRequest) as info:
+        b0.validate(chat("go", sampling=Sampling(logit_bias={49152: 1.0})))
+    assert info.value.param == "logit_bias" and "49152" in info.value.message

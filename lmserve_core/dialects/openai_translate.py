@@ -7,6 +7,7 @@ says what to change. Shared by ``openai_chat`` and ``openai_completions``.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from ..backend import Capabilities
@@ -86,12 +87,56 @@ def sampling_from(body: SamplingFields) -> Sampling:
 
 
 MAX_CHOICES = 16  # n
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
-def check_common_rejections(body: SamplingFields) -> None:
-    """Fields both endpoints refuse rather than silently drop."""
-    if body.logit_bias:
-        raise reject("logit_bias")
+def logit_bias_from(body: SamplingFields, caps: Capabilities) -> dict[int, float] | None:
+    """``logit_bias``: token id (a decimal string) -> bias (-100 to 100), at most
+    ``MAX_LOGIT_BIAS`` entries; each problem is a 400 naming ``logit_bias`` and the key.
+    Whether the ids are in the model's vocabulary is the backend's check (``validate``).
+    Zero biases are dropped; any other bias on a backend without biases is a 501."""
+    raw = body.logit_bias
+    if not raw:
+        return None
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries ({len(raw)} given)",
+            param="logit_bias",
+        )
+    out: dict[int, float] = {}
+    seen: set[int] = set()
+    for key, value in raw.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequest(
+                f"'logit_bias' key {key!r} is not a token id (a non-negative integer)",
+                param="logit_bias",
+            )
+        token = int(key)
+        if token in seen:
+            raise InvalidRequest(
+                f"'logit_bias' key {key!r} names token {token} again", param="logit_bias"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (math.isfinite(value) and -100 <= value <= 100)
+        ):
+            raise InvalidRequest(
+                f"'logit_bias' value of key {key!r} must be a number between -100 and 100, "
+                f"not {value!r}",
+                param="logit_bias",
+            )
+        seen.add(token)
+        if value:
+            out[token] = float(value)
+    if out and not caps.logit_bias:
+        raise Unsupported(
+            "'logit_bias' needs token biases, which this model's backend lacks",
+            param="logit_bias",
+            code=policy.UNSUPPORTED,
+        )
+    return out or None
 
 
 def choices_from(body: SamplingFields) -> int:
@@ -346,7 +391,6 @@ def chat_request(
     body: ChatCompletionRequest, caps: Capabilities, ctx: int, request_id: str
 ) -> NormalizedRequest:
     """Translate a chat body; raises ``InvalidRequest``/``Unsupported`` naming the field."""
-    check_common_rejections(body)
     if body.functions:
         raise reject("functions", "(legacy functions API) is not supported; use tools")
     if body.function_call is not None:
@@ -367,6 +411,7 @@ def chat_request(
 
     messages = messages_from(body.messages, caps)
     sampling = sampling_from(body)
+    sampling.logit_bias = logit_bias_from(body, caps)
     if body.max_completion_tokens is not None:
         max_tokens = bounded_max_tokens(body.max_completion_tokens, "max_completion_tokens", ctx)
     else:
@@ -408,7 +453,6 @@ def completion_request(
             "this model's backend does not serve raw text completions; use /v1/chat/completions",
             param="prompt",
         )
-    check_common_rejections(body)
     prompt = body.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -427,12 +471,14 @@ def completion_request(
     logprobs = None
     if body.logprobs is not None:
         logprobs = _top_logprobs(body.logprobs, "logprobs", 5)
+    sampling = sampling_from(body)
+    sampling.logit_bias = logit_bias_from(body, caps)
     stream = bool(body.stream)
     return NormalizedRequest(
         id=request_id,
         dialect="completions",
         prompt=prompt,
-        sampling=sampling_from(body),
+        sampling=sampling,
         max_tokens=bounded_max_tokens(body.max_tokens, "max_tokens", ctx),
         logprobs=logprobs,
         n=choices_from(body),
