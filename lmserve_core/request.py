@@ -17,6 +17,9 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text, exactly as the model produced it
+    # The token bound cut the call off: ``arguments`` is the text written so far, which may
+    # be incomplete JSON (a reply's last call only).
+    partial: bool = False
 
 
 @dataclass(slots=True)

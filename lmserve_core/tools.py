@@ -18,6 +18,11 @@ declarations and history for the family's chat template. Two ship in the core:
 The region conventions share their streaming: :class:`MarkerRegionParser` finds the markers,
 holds back only what may still become one, and hands each region's text to a subclass to
 read (a plugin's convention of that shape subclasses it too).
+
+A reply the token bound cuts off inside a call (:meth:`ToolCallParser.cut`) never hands the
+call's notation on as text: the call comes back with ``partial`` set and the arguments
+written so far as JSON text (maybe incomplete), or, when not even its tool can be told, not
+at all.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "ToolCallParser",
     "ToolConvention",
     "call_id",
+    "closed_schema",
     "forced_call_grammar",
     "parse_xml_call",
     "xml_value",
@@ -62,6 +68,11 @@ class ToolCallParser(Protocol):
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """The reply ended: return what was held back (content) and any last calls."""
+
+    def cut(self) -> tuple[str, list[ToolCall]]:
+        """The token bound cut the reply off: :meth:`flush`, except that a call being written
+        comes back as a call with ``partial`` set (its arguments the JSON written so far),
+        and its notation, or a marker begun, is never content."""
 
 
 class ToolConvention(Protocol):
@@ -110,6 +121,9 @@ class MarkerRegionParser:
     - A reply may hold any number of regions, with text before, between and after them.
     - :meth:`flush` at the end of the reply gives back what was held: trailing whitespace,
       a partial opening marker, or an unclosed region (as text, its marker included).
+    - :meth:`cut`, when the token bound ended the reply, gives back trailing whitespace
+      only: an unclosed region is a call (:meth:`cut_region`, partial unless all but its
+      closing marker was written) or nothing, a partial opening marker is dropped.
     """
 
     def __init__(self, open_marker: str, close_marker: str) -> None:
@@ -139,6 +153,13 @@ class MarkerRegionParser:
         if at < 0:  # a marker that starts before this point would have been found whole
             self._scan = max(self._scan, len(region) - len(self.close) + 1)
         return at
+
+    def cut_region(self, body: str) -> ToolCall | None:
+        """The call begun in ``body``, an unclosed region the token bound cut off (the text
+        after the opening marker, less any part of the closing one), as a partial call —
+        ``partial`` set, the arguments written so far as JSON text — or None when not even
+        the tool can be told. This one reads nothing; a subclass that can, overrides it."""
+        return None
 
     def begin_region(self) -> None:
         """A region opened (or the reply ended): forget the previous one's scan state."""
@@ -217,9 +238,23 @@ class MarkerRegionParser:
     def flush(self) -> tuple[str, list[ToolCall]]:
         # an unclosed region is text, its marker included
         text = (self._gap + self.open if self._inside else self._space) + self._buf
+        self._reset()
+        return text, []
+
+    def cut(self) -> tuple[str, list[ToolCall]]:
+        if not self._inside:
+            # whitespace held is the reply's; a marker begun is not
+            text = "" if self._buf else self._space
+            self._reset()
+            return text, []
+        body = self._buf[: len(self._buf) - _partial_tail(self._buf, self.close)]
+        self._reset()
+        call = self.parse_region(body) or self.cut_region(body)
+        return "", [] if call is None else [call]
+
+    def _reset(self) -> None:
         self._buf, self._inside, self._space, self._gap = "", False, "", ""
         self.begin_region()
-        return text, []
 
 
 # ---------------------------------------------------------------------------- hermes
@@ -244,17 +279,110 @@ def _parse_call(body: str) -> ToolCall | None:
     return ToolCall(id=call_id(), name=data["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
+_ARGUMENT_KEYS = ("arguments", "parameters")
+_DECODER = json.JSONDecoder()
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _open_string(text: str) -> str:
+    """The characters of a JSON string cut off after its opening quote (``text`` holds what
+    follows the quote; an escape cut in two is left out)."""
+    for end in range(len(text), max(len(text) - 6, -1), -1):
+        try:
+            return str(json.loads('"' + text[:end] + '"'))
+        except ValueError:
+            continue
+    return ""
+
+
+def tool_named(written: str, complete: bool, names: Collection[str] | None) -> str | None:
+    """The tool a cut-off call names: the name written, when it was written whole; else the
+    one declared tool whose name starts with what was written (None when there is no such
+    one, or the declared tools are not known)."""
+    if complete:
+        return written
+    if names is None:
+        return None
+    found = [name for name in names if name.startswith(written)]
+    return found[0] if len(found) == 1 else None
+
+
+def cut_json_call(body: str, names: Collection[str] | None = None) -> ToolCall | None:
+    """The call of a ``{"name": ..., "arguments": ...}`` object cut off part way (surrounding
+    whitespace allowed; nothing written yet too): its tool (:func:`tool_named`; ``names`` are
+    the declared tools' names) and the arguments' text as written so far ("" when not
+    begun), ``partial`` unless they were written whole. None when ``body`` does not begin
+    such an object, or its tool cannot be told."""
+    text = body.strip()
+    if text and not text.startswith("{"):
+        return None
+    name, whole, arguments, written = "", False, "", False
+    pos = 1
+    while True:
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_space(text, pos + 1)
+        if pos >= len(text) or text[pos] == "}":
+            break
+        try:
+            key, pos = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            break  # the key is cut off
+        pos = _skip_space(text, pos)
+        if not isinstance(key, str) or (pos < len(text) and text[pos] != ":"):
+            return None
+        pos = _skip_space(text, pos + 1)
+        if pos >= len(text):
+            break
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except ValueError:  # the value is cut off: the last thing written
+            if key == "name" and text[pos] == '"':
+                name = _open_string(text[pos + 1 :])
+            elif key in _ARGUMENT_KEYS:
+                arguments = text[pos:]
+            break
+        if key == "name":
+            if not isinstance(value, str):
+                return None
+            name, whole = value, True
+        elif key in _ARGUMENT_KEYS:
+            # (a string: a quoted object, as some models write it)
+            arguments = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            written = True
+        pos = end
+    tool = tool_named(name, whole, names)
+    if not tool:
+        return None
+    return ToolCall(id=call_id(), name=tool, arguments=arguments, partial=not written)
+
+
 class HermesParser(MarkerRegionParser):
     """Streams reply text, lifting out ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
     regions (the streaming is :class:`MarkerRegionParser`'s). A region whose JSON is not a
     call passes through as content, markers included; so does an unclosed one when the reply
-    ends."""
+    ends — unless the token bound ended it: then it is a partial call (:func:`cut_json_call`,
+    ``tools`` naming the declared tools) or nothing."""
 
-    def __init__(self, open_marker: str = "<tool_call>", close_marker: str = "</tool_call>") -> None:
+    def __init__(
+        self,
+        open_marker: str = "<tool_call>",
+        close_marker: str = "</tool_call>",
+        tools: Iterable[Tool] | None = None,
+    ) -> None:
         super().__init__(open_marker, close_marker)
+        self._names = None if tools is None else [t.name for t in tools]
 
     def parse_region(self, body: str) -> ToolCall | None:
         return _parse_call(body.strip())
+
+    def cut_region(self, body: str) -> ToolCall | None:
+        return cut_json_call(body, self._names)
 
 
 def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +417,7 @@ class HermesConvention:
         self.close = close_marker
 
     def parser(self, tools: Iterable[Tool] | None = None) -> HermesParser:
-        return HermesParser(self.open, self.close)
+        return HermesParser(self.open, self.close, tools)
 
     def forced_grammar(
         self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool, lenient: bool
@@ -307,10 +435,12 @@ class HermesConvention:
 
 class JsonCallParser:
     """A reply that is one ``{"name", "arguments"}`` object (a forced call's grammar wrote
-    it); anything else is content."""
+    it); anything else is content. Cut off by the token bound, it is a partial call
+    (:func:`cut_json_call`), never content."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Iterable[Tool] | None = None) -> None:
         self._buf = ""
+        self._names = None if tools is None else [t.name for t in tools]
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buf += text
@@ -321,6 +451,11 @@ class JsonCallParser:
         call = _parse_call(text.strip())
         return ("", [call]) if call is not None else (text, [])
 
+    def cut(self) -> tuple[str, list[ToolCall]]:
+        text, self._buf = self._buf, ""
+        call = _parse_call(text.strip()) or cut_json_call(text, self._names)
+        return "", [] if call is None else [call]
+
 
 class JsonCallConvention:
     """Calls as a bare JSON object: forced calls on families without a convention."""
@@ -328,7 +463,7 @@ class JsonCallConvention:
     name = "json"
 
     def parser(self, tools: Iterable[Tool] | None = None) -> JsonCallParser:
-        return JsonCallParser()
+        return JsonCallParser(tools)
 
     def forced_grammar(
         self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool, lenient: bool
@@ -529,6 +664,71 @@ def parse_xml_call(body: str, tools: Mapping[str, Any] | None = None) -> ToolCal
     return ToolCall(id=call_id(), name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
+def _cut_xml_value(text: str, types: frozenset[str]) -> str:
+    """A parameter value cut off part way, as JSON text: an open string when the parameter
+    may be one (the template writes strings bare), else the JSON written so far."""
+    text = text[1:] if text.startswith("\n") else text
+    text = text[: len(text) - _partial_tail(text, _XML_VALUE_END)]
+    if "string" in types:
+        return json.dumps(text, ensure_ascii=False)[:-1]
+    return text
+
+
+def cut_xml_call(body: str, tools: Mapping[str, Any] | None = None) -> ToolCall | None:
+    """The partial call of an XML call cut off part way (what follows ``<tool_call>``): its
+    tool (:func:`tool_named`) and its arguments as JSON text — the parameters written whole,
+    typed as :func:`parse_xml_call` types them, then the one cut off (:func:`_cut_xml_value`),
+    the object closed only once ``</function>`` was written. None when ``body`` does not begin
+    such a call, or its tool cannot be told."""
+    text = body.lstrip()
+    if not text.startswith(XML_FUNCTION):
+        if not XML_FUNCTION.startswith(text):
+            return None
+        text = XML_FUNCTION  # the tag itself is cut off
+    gt = text.find(">", len(XML_FUNCTION))
+    written = text[len(XML_FUNCTION) : gt if gt >= 0 else len(text)]
+    name = tool_named(written, gt >= 0, None if tools is None else list(tools))
+    if not name or not _XML_NAME.fullmatch(name) or (tools is not None and name not in tools):
+        return None
+    schema = tools.get(name) if tools is not None else None
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    if not isinstance(properties, Mapping):
+        properties = {}
+    members: list[str] = []
+    closed = False
+    pos = len(text) if gt < 0 else gt + 1
+    while True:
+        pos = _skip_space(text, pos)
+        rest = text[pos:]
+        if rest.startswith(XML_FUNCTION_END):
+            closed = True
+            break
+        if not rest.startswith(XML_PARAMETER):
+            if XML_PARAMETER.startswith(rest) or XML_FUNCTION_END.startswith(rest):
+                break  # nothing more, or a tag cut off
+            return None
+        key_end = text.find(">", pos + len(XML_PARAMETER))
+        if key_end < 0:
+            break  # the parameter's name is cut off
+        key = text[pos + len(XML_PARAMETER) : key_end]
+        if not _XML_KEY.fullmatch(key):
+            return None
+        types = _value_types(properties.get(key, True), schema)
+        close = text.find(XML_PARAMETER_END, key_end + 1)
+        if close < 0:
+            value = _cut_xml_value(text[key_end + 1 :], types)
+            members.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+            break
+        value = text[key_end + 1 : close]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        typed = json.dumps(xml_value(value, types), ensure_ascii=False)
+        members.append(f"{json.dumps(key, ensure_ascii=False)}: {typed}")
+        pos = close + len(XML_PARAMETER_END)
+    arguments = "{" + ", ".join(members) + ("}" if closed else "") if gt >= 0 else ""
+    return ToolCall(id=call_id(), name=name, arguments=arguments, partial=not closed)
+
+
 class QwenXmlParser(MarkerRegionParser):
     """Streams reply text, lifting out calls in the XML notation of Qwen3.5 and Qwen3-Coder::
 
@@ -549,7 +749,8 @@ class QwenXmlParser(MarkerRegionParser):
     A call of a function ``tools`` does not declare is not a call: llama.cpp's parser only
     matches the declared names, and output it cannot match is no call there either; here,
     as for any malformed region, the region comes back as content, markers included. With
-    no ``tools`` (None) every name is taken. A ``<function=…>`` block outside
+    no ``tools`` (None) every name is taken. A region the token bound cut off is a partial
+    call (:func:`cut_xml_call`) or nothing. A ``<function=…>`` block outside
     ``<tool_call>`` markers (Qwen3-Coder sometimes leaves the opening marker out) is
     content.
     """
@@ -565,6 +766,9 @@ class QwenXmlParser(MarkerRegionParser):
 
     def parse_region(self, body: str) -> ToolCall | None:
         return parse_xml_call(body, self._tools)
+
+    def cut_region(self, body: str) -> ToolCall | None:
+        return cut_xml_call(body, self._tools)
 
     def close_at(self, region: str) -> int:
         # a parameter's value may hold the closing marker as text (code, for one)
@@ -785,28 +989,68 @@ def forced_call_grammar(
     *,
     only: str | None = None,
     parallel: bool = True,
+    lenient: bool | None = None,
 ) -> str:
     """The grammar forcing a call of ``tools`` (``lmserve_core.request.Tool``), or of the one
-    named ``only``, with arguments that validate against each tool's schema. Strict
-    declarations are compiled as they are (a schema the grammar engine cannot honour is an
-    error); for the others, keywords it does not implement are skipped, since non-strict
-    semantics promise no more."""
+    named ``only``, with arguments that validate against each tool's schema, its objects
+    closed (:func:`closed_schema`). Strict declarations are compiled as they are (a schema
+    the grammar engine cannot honour is an error); for the others, keywords it does not
+    implement are skipped, since non-strict semantics promise no more. ``lenient`` True
+    skips them for every tool."""
     allowed = [t for t in tools if only is None or t.name == only]
     if not allowed:
         raise ValueError(f"no declared tool named {only!r}" if only else "no tools to call")
-    arguments = [(t.name, _closed(t.parameters or {"type": "object"})) for t in allowed]
-    return convention.forced_grammar(arguments, parallel, not all(t.strict for t in allowed))
+    arguments = [(t.name, closed_schema(t.parameters or {"type": "object"})) for t in allowed]
+    if lenient is None:
+        lenient = not all(t.strict for t in allowed)
+    return convention.forced_grammar(arguments, parallel, lenient)
 
 
-def _closed(schema: Any) -> Any:
-    """The schema with every object that lists its properties closed to others, unless it
-    says otherwise: a tool's declared parameters are the arguments it takes (OpenAI's strict
-    mode requires exactly this), and a grammar left open lets a model invent keys."""
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
+# Where a JSON schema holds schemas: maps of them, single ones, lists of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONES = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def closed_schema(schema: Any, *, conjoined: bool = False) -> Any:
+    """``schema`` with every object that lists its ``properties`` closed to others
+    (``additionalProperties: false``) unless it says otherwise (``additionalProperties`` or
+    ``unevaluatedProperties`` of its own): the declared properties are the keys an object
+    has — OpenAI's strict mode requires exactly this — and a grammar left open lets a model
+    invent keys, and repeat them, until the token bound. Objects that take part in an
+    ``allOf`` (``conjoined``) stay as they are: each part names only some of the keys.
+    Only schema positions are walked; ``const``, ``enum``, ``default`` and the like are
+    values, left alone."""
     if not isinstance(schema, dict):
         return schema
-    out = {key: _closed(value) for key, value in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub, conjoined=key == "allOf") for sub in out[key]]
+    if (
+        "properties" in out
+        and not conjoined
+        and "allOf" not in out
+        and "additionalProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out

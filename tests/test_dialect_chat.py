@@ -530,14 +530,6 @@ def test_missing_key(server: Any) -> None:
             },
             "tool_choice",
         ),
-        (
-            {
-                "tool_choice": "required",
-                "tools": [WEATHER_TOOL],
-                "response_format": {"type": "json_object"},
-            },
-            "tool_choice",
-        ),
     ],
 )
 def test_rejected_fields_name_the_param(
@@ -776,27 +768,22 @@ def test_forced_call_needs_grammar(caps: Capabilities, choice: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "field"),
+    ("extra", "kind"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "json_object"),
         ({"regex": "a+"}, "regex"),
         ({"lark": "start: /a/"}, "lark"),
     ],
 )
-def test_forced_call_excludes_a_constraint(extra: dict[str, Any], field: str) -> None:
+def test_forced_call_goes_with_a_constraint(extra: dict[str, Any], kind: str) -> None:
+    # the tool choice governs the turn's call, the constraint its text: both stay
     for caps in (ALL_CAPS, GRAMMAR_ONLY):
-        with pytest.raises(InvalidRequest) as info:
-            translate(
-                {
-                    "messages": user("x"),
-                    "tools": [WEATHER_TOOL],
-                    "tool_choice": "required",
-                    **extra,
-                },
-                caps,
-            )
-        assert info.value.status == 400 and info.value.param == "tool_choice"
-        assert f"'{field}'" in info.value.message
+        req = translate(
+            {"messages": user("x"), "tools": [WEATHER_TOOL], "tool_choice": "required", **extra},
+            caps,
+        )
+        assert req.tool_choice.mode is ToolChoiceMode.REQUIRED and len(req.tools) == 1
+        assert req.constraint is not None and req.constraint.kind == kind
 
 
 def test_tool_choice_none_hides_the_tools() -> None:

@@ -16,7 +16,11 @@ from processes import API_KEY, RunningServer, launch
 
 from lmserve_core.backend import Capabilities
 from lmserve_core.dialects.anthropic import translate
-from lmserve_core.dialects.anthropic_encoder import MessageStreamEncoder, message_body
+from lmserve_core.dialects.anthropic_encoder import (
+    MessageStreamEncoder,
+    message_body,
+    partial_input,
+)
 from lmserve_core.dialects.anthropic_models import CountTokensRequest, MessagesRequest
 from lmserve_core.dialects.common import Collected
 from lmserve_core.errors import InvalidRequest, Unsupported
@@ -988,16 +992,37 @@ def test_forced_call_needs_grammar(caps: Capabilities) -> None:
     assert info.value.status == 501 and info.value.param == "tool_choice"
 
 
-def test_forced_call_excludes_output_config() -> None:
+def test_forced_call_goes_with_output_config() -> None:
+    # the tool choice governs the turn's call, the output format its text: both stay
     fmt = {"type": "json_schema", "schema": {"type": "object"}}
-    for extra, field in (
-        ({"output_config": {"format": fmt}}, "output_config.format"),
-        ({"output_format": fmt}, "output_format"),
-    ):
-        with pytest.raises(InvalidRequest) as info:
-            translated({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}, **extra})
-        assert info.value.status == 400 and info.value.param == "tool_choice"
-        assert f"'{field}'" in info.value.message
+    for extra in ({"output_config": {"format": fmt}}, {"output_format": fmt}):
+        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+            req = translated({"tools": [WEATHER_TOOL], "tool_choice": choice, **extra})
+            assert req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+            assert req.constraint is not None and req.constraint.kind == "json_schema"
+
+
+def test_partial_input_keeps_what_a_cut_off_object_wrote_whole() -> None:
+    full = {"city": "Zürich \"Nord\"", "days": [1, 2.5, None], "deep": {"ok": True}, "n": 12}
+    text = json.dumps(full, ensure_ascii=False)
+    last: dict[str, Any] = {}
+    for end in range(len(text) + 1):
+        got = partial_input(text[:end])
+        assert isinstance(got, dict), end
+        # members come in order and are whole, but a string cut off (kept as written so far)
+        # and the containers the cut is in (holding what they got whole)
+        assert list(got) == list(full)[: len(got)], (end, got)
+        for key, value in got.items():
+            if isinstance(value, str):
+                assert full[key].startswith(value)
+            elif key != list(got)[-1]:
+                assert value == full[key], (end, got)
+        assert len(got) >= len(last), end  # a cut further on keeps what an earlier one had
+        last = got
+    assert partial_input(text) == full
+    assert partial_input("") == {} and partial_input('{"a": tr') == {}
+    assert partial_input('{"a": "x\\') == {"a": "x"}  # an escape cut in two is left out
+    assert partial_input("[1, 2") == {}  # not an object
 
 
 def test_tool_choice_none_hides_the_tools_and_parallel_maps() -> None:

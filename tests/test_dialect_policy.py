@@ -93,8 +93,6 @@ class Problem:
         body = base(dialect)
         if self.name == "forced call without grammar":
             body.update(tools=tools(dialect), tool_choice=forced(dialect))
-        elif self.name == "forced call with a constraint":
-            body.update(tools=tools(dialect), tool_choice=forced(dialect), **json_format(dialect))
         elif self.name == "named tool not declared":
             body.update(tools=tools(dialect), tool_choice=forced(dialect, "nope"))
         elif self.name == "forced call without tools":
@@ -116,8 +114,6 @@ class Problem:
         """The fields its message names, longest first (so replacing them is unambiguous)."""
         if self.name == "named tool not declared":
             return [NAMED_FIELD[dialect]]
-        if self.name == "forced call with a constraint":
-            return [CONSTRAINT_FIELD[dialect], CHOICE_FIELD[dialect]]
         if self.name == "constraint without grammar":
             return [CONSTRAINT_FIELD[dialect]]
         if self.name == "stop strings unsupported":
@@ -140,8 +136,6 @@ class Problem:
 PROBLEMS = [
     Problem("forced call without grammar", NO_GRAMMAR, 501),
     Problem("forced call without grammar", Capabilities(), 501),
-    Problem("forced call with a constraint", ALL_CAPS, 400),
-    Problem("forced call with a constraint", GRAMMAR_ONLY, 400),
     Problem("named tool not declared", ALL_CAPS, 400),
     Problem("forced call without tools", ALL_CAPS, 400),
     Problem("constraint without grammar", NO_GRAMMAR, 501),
@@ -168,7 +162,7 @@ def test_same_problem_same_error_in_every_translator(problem: Problem) -> None:
         with pytest.raises(LmserveError) as info:
             translate(dialect, problem.body(dialect), problem.caps)
         err = info.value
-        assert err.param == problem.fields(dialect)[-1]  # the tool choice, not the constraint
+        assert err.param == problem.fields(dialect)[-1]
         seen[dialect] = (err.status, err.code, problem.neutral(dialect, err.message), type(err))
     assert seen["chat"][0] == problem.status
     assert seen["chat"] == seen["responses"] == seen["messages"]
@@ -275,6 +269,12 @@ def test_same_request_same_decision(dialect: str, server: RunningServer) -> None
     # so does a forced call
     got = echoed(dialect, post(server, dialect, {**body, **switch, "tool_choice": forced(dialect)}))
     assert got["reasoning"] is False and got["tool_choice"]["mode"] == "required"
+    # a forced call and an output schema are independent: both reach the backend
+    forced_json = {**body, **json_format(dialect), "tool_choice": forced(dialect)}
+    got = echoed(dialect, post(server, dialect, forced_json))
+    assert got["tool_choice"]["mode"] == "required" and got["reasoning"] is False
+    assert got["constraint"]["kind"] == "json_schema"
+    assert [t["name"] for t in got["tools"]] == ["get_weather"]
     # none hides the tools
     none = {"chat": "none", "responses": "none", "messages": {"type": "none"}}[dialect]
     got = echoed(dialect, post(server, dialect, {**body, "tool_choice": none}))
@@ -287,6 +287,28 @@ def test_same_request_same_decision(dialect: str, server: RunningServer) -> None
     }[dialect]
     got = echoed(dialect, post(server, dialect, {**body, **single}))
     assert got["parallel_tool_calls"] is False and len(got["tools"]) == 1
+
+
+@pytest.mark.parametrize("caps", [ALL_CAPS, GRAMMAR_ONLY], ids=["convention", "no-convention"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_forced_call_goes_with_an_output_constraint(dialect: str, caps: Capabilities) -> None:
+    """The tool choice governs the turn's calls, the output constraint its text: a forced
+    call with an output schema (the OpenAI Agents SDK's output_type with tool_choice
+    "required", instructor's tools modes) is one request, not a 400."""
+    for name in (None, "get_weather"):
+        body = {**base(dialect), **json_format(dialect), "tools": tools(dialect),
+                "tool_choice": forced(dialect, name)}
+        request = translate(dialect, body, caps)
+        assert request.tool_choice.mode is (
+            ToolChoiceMode.REQUIRED if name is None else ToolChoiceMode.NAMED
+        )
+        assert [t.name for t in request.tools] == ["get_weather"]
+        assert request.constraint is not None and request.constraint.kind == "json_schema"
+        assert request.reasoning is False
+    if dialect != "messages":  # lmserve's own constraint fields
+        body = {**base(dialect), "tools": tools(dialect), "tool_choice": forced(dialect),
+                "regex": "[a-z]+"}
+        assert translate(dialect, body, caps).constraint.kind == "regex"
 
 
 def test_reasoning_without_a_reasoning_mode_is_the_one_strict_switch() -> None:

@@ -698,14 +698,14 @@ def test_forced_call_needs_grammar(caps: Capabilities, choice: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "field"),
-    [({"text": {"format": {"type": "json_object"}}}, "text.format"), ({"regex": "a"}, "regex")],
+    ("extra", "kind"),
+    [({"text": {"format": {"type": "json_object"}}}, "json_object"), ({"regex": "a"}, "regex")],
 )
-def test_forced_call_excludes_a_constraint(extra: dict[str, Any], field: str) -> None:
-    with pytest.raises(InvalidRequest) as info:
-        translated({"tools": [WEATHER_TOOL], "tool_choice": "required", **extra})
-    assert info.value.status == 400 and info.value.param == "tool_choice"
-    assert f"'{field}'" in info.value.message
+def test_forced_call_goes_with_a_constraint(extra: dict[str, Any], kind: str) -> None:
+    # the tool choice governs the turn's call, the constraint its text: both stay
+    req = translated({"tools": [WEATHER_TOOL], "tool_choice": "required", **extra})
+    assert req.tool_choice.mode is ToolChoiceMode.REQUIRED and len(req.tools) == 1
+    assert req.constraint is not None and req.constraint.kind == kind
 
 
 def test_tool_choice_none_hides_the_tools_and_parallel_maps() -> None:

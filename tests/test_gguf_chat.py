@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from scripted import (  # noqa: F401  (the fixtures)
     run,
 )
 
+from lmserve_core import gguf_chat
 from lmserve_core.backend import Capabilities, ServerSettings, ThinkMarkers
 from lmserve_core.errors import InvalidRequest, Unsupported
 from lmserve_core.events import ErrorEvent, ReasoningDelta, TextDelta, ToolCallEvent
@@ -533,6 +535,155 @@ def test_one_call_per_reply_when_parallel_calls_are_off(gguf: GGUFFile) -> None:
     assert finish.reason == "tool_calls"
     assert [json.loads(c.arguments) for c in calls(sink)] == [{"city": "Paris"}]
     check_shadow(backend)
+
+
+# ---------------------------------------------------------------------------- tools and schemas
+
+ANSWER = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["n"],
+}  # not strict, no additionalProperties: an output schema as instructor and `llm` send it
+
+
+def answer_constraint() -> Constraint:
+    return Constraint(kind="json_schema", source=json.dumps(ANSWER), strict=False)
+
+
+@pytest.mark.parametrize("convention", [HERMES, None], ids=["hermes", "no-convention"])
+def test_a_forced_call_with_an_output_schema_is_the_call(gguf: GGUFFile, convention: Any) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, '{"n": 1, "ok": true}') + [IM_END]  # the model would answer in JSON
+    backend = make_backend(gguf, script, capabilities=Capabilities(grammar=True, tools=convention))
+    for choice in (ToolChoice(ToolChoiceMode.REQUIRED), ToolChoice(ToolChoiceMode.NAMED, "pick")):
+        pick = Tool("pick", "", {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}})
+        request = chat("Pick.", tools=[pick], tool_choice=choice, constraint=answer_constraint(),
+                       max_tokens=64, parallel_tool_calls=False)
+        finish, sink = run(backend, request)
+        assert finish.reason == "tool_calls", (finish, sink.text)
+        (call,) = calls(sink)
+        assert call.name == "pick" and json.loads(call.arguments) in ({}, {"k": "a"}, {"k": "b"})
+        assert sink.text == ""
+
+
+def test_under_auto_a_reply_is_calls_or_text_of_the_output_schema(gguf: GGUFFile) -> None:
+    b0 = make_backend(gguf)
+    request = chat("Weather?", tools=[WEATHER], constraint=answer_constraint(), max_tokens=64)
+    backend = make_backend(gguf, ids(b0, CALL) + [IM_END], capabilities=HERMES_CAPS)
+    finish, sink = run(backend, request)
+    assert finish.reason == "tool_calls" and sink.text == ""
+    assert [json.loads(c.arguments) for c in calls(sink)] == [{"city": "Paris"}]
+    text = '{"n": 7, "ok": false}'
+    backend = make_backend(gguf, ids(b0, text) + [IM_END], capabilities=HERMES_CAPS)
+    finish, sink = run(backend, request)
+    assert finish.reason == "stop" and not calls(sink) and sink.text == text
+    # the chat the model wants is masked: what comes is a call or the schema's JSON
+    backend = make_backend(gguf, ids(b0, "Sure! It is sunny."), capabilities=HERMES_CAPS)
+    finish, sink = run(backend, request)
+    assert (sink.text == "") if calls(sink) else sink.text.startswith("{"), sink.text
+
+
+def test_tools_whose_grammar_cannot_be_written_leave_the_output_schema_alone(
+    gguf: GGUFFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warned: list[str] = []
+    monkeypatch.setattr(gguf_chat, "log", SimpleNamespace(
+        warning=lambda event, **_: warned.append(event), info=lambda *_, **__: None))
+    b0 = make_backend(gguf)
+    text = '{"n": 7}'
+    backend = make_backend(gguf, ids(b0, text) + [IM_END], capabilities=HERMES_CAPS)
+    broken = Tool("broken", "", {"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    finish, sink = run(backend, chat("x", tools=[broken], constraint=answer_constraint()))
+    assert sink.text == text and finish.reason == "stop"
+    assert warned == ["tools_unconstrained"]
+
+
+def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+def test_an_output_schema_that_is_not_strict_gets_closed_objects(gguf: GGUFFile) -> None:
+    """The script adds a key and repeats one, as a small model does under an open schema;
+    the closed schema lets neither through, and the object ends."""
+    b0 = make_backend(gguf)
+    nested = {**ANSWER, "properties": {**ANSWER["properties"], "at": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    script = ids(b0, '{"n": 1, "extra": 2, "n": 3, "at": {"x": 1, "y": 2}}')
+    backend = make_backend(gguf, script)
+    request = chat("x", max_tokens=48, constraint=Constraint(
+        kind="json_schema", source=json.dumps(nested), strict=False))
+    finish, sink = run(backend, request)
+    assert finish.reason == "stop", sink.text
+    value = json.loads(sink.text, object_pairs_hook=no_duplicates)
+    assert set(value) <= {"n", "ok", "at"} and value["n"] == 1
+    assert set(value.get("at", {})) <= {"x"}
+    # a schema that opens its objects keeps them open
+    opened = {**ANSWER, "additionalProperties": True}
+    backend = make_backend(gguf, ids(b0, '{"n": 1, "extra": 2}') + [IM_END])
+    request = chat("x", max_tokens=48, constraint=Constraint(
+        kind="json_schema", source=json.dumps(opened), strict=False))
+    assert json.loads(run(backend, request)[1].text) == {"n": 1, "extra": 2}
+
+
+@pytest.mark.parametrize("convention", [HERMES, None], ids=["hermes", "no-convention"])
+def test_a_forced_call_cut_off_by_the_token_bound_is_a_partial_call(
+    gguf: GGUFFile, convention: Any
+) -> None:
+    backend = make_backend(gguf, capabilities=Capabilities(grammar=True, tools=convention))
+    city = Tool("get_weather", "", {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"]}, strict=True)
+
+    def forced(k: int) -> tuple[Any, ListSink]:
+        return run(backend, chat("Weather?", tools=[city], max_tokens=k,
+                                 tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
+                                 parallel_tool_calls=False))
+
+    finish, sink = forced(64)
+    (whole,) = calls(sink)
+    assert finish.reason == "tool_calls" and not whole.partial
+    seen = []
+    for k in range(1, finish.usage.completion_tokens):
+        cut, sink = forced(k)
+        assert cut.reason == "length" and sink.text == "", (k, sink.text)
+        got = calls(sink)
+        if not got:  # only the opening marker begun: no call yet, and no text
+            assert convention is HERMES and not seen, k
+            continue
+        (call,) = got
+        # the only tool: known before its name is written; the arguments as written so far
+        # (whole once only the closing marker is missing)
+        assert call.name == "get_weather"
+        assert call.partial or call.arguments == whole.arguments
+        assert whole.arguments.startswith(call.arguments), (call.arguments, whole.arguments)
+        seen.append(call.arguments)
+    assert seen[0] == "" and any(a.startswith('{"city": "') for a in seen), seen
+
+
+def test_a_call_the_token_bound_cuts_off_under_auto_never_comes_back_as_text(
+    gguf: GGUFFile,
+) -> None:
+    b0 = make_backend(gguf)
+    script = ids(b0, "Let me look.\n" + CALL) + [IM_END]
+    backend = make_backend(gguf, script, capabilities=HERMES_CAPS)
+    lead = len(ids(b0, "Let me look.\n"))
+    for k in range(lead + 1, len(script) - 1):
+        finish, sink = run(backend, chat("Weather?", tools=[WEATHER], max_tokens=k))
+        assert finish.reason == "length"
+        assert sink.text == "Let me look.", (k, sink.text)
+        got = calls(sink)
+        assert len(got) <= 1 and all(c.name == "get_weather" for c in got), got
+        assert all(c.partial or json.loads(c.arguments) == {"city": "Paris"} for c in got)
+    # a region that is not a call is dropped, not shown
+    broken = ids(b0, "Hi <tool_call>\nnot a call at all")
+    backend = make_backend(gguf, broken + [IM_END], capabilities=HERMES_CAPS)
+    finish, sink = run(backend, chat("x", tools=[WEATHER], max_tokens=len(broken)))
+    assert (finish.reason, sink.text, calls(sink)) == ("length", "Hi", [])
+    # cut off in text, a reply keeps its text
+    finish, sink = run(backend, chat("x", tools=[WEATHER], max_tokens=1))
+    assert sink.text == "Hi" and finish.reason == "length"
 
 
 def test_forced_calls_declare_the_tools_when_the_template_does_not(gguf: GGUFFile) -> None:

@@ -1,5 +1,6 @@
-"""Forced tool calls and cut replies on the real SmolLM2, through a real ``lmserve`` process
-and the official SDKs.
+"""Forced tool calls, output schemas and cut replies on the real SmolLM2, through a real
+``lmserve`` process and the official SDKs (and the OpenAI Agents SDK and instructor, which
+send a forced call together with an output schema).
 
 SmolLM2's family has no tool-call convention: a forced call is a grammar that makes the model
 write one bare ``{"name": ..., "arguments": {...}}`` object, which each dialect returns as a
@@ -21,6 +22,8 @@ import openai
 import pytest
 from processes import API_KEY
 from pydantic import BaseModel, ConfigDict, Field
+
+from lmserve_core.dialects.anthropic_encoder import partial_input
 
 pytestmark = pytest.mark.slow
 
@@ -488,7 +491,8 @@ def sweep(reply: Callable[[int], Cut], longest: int) -> list[Cut]:
 
 
 def check_call_cuts(reply: Callable[[int], Cut]) -> None:
-    """A forced call cut by the token bound comes back as the text written so far.
+    """A forced call cut by the token bound comes back as the dialect's call, its arguments
+    the JSON written so far (whole characters only), and never as text.
 
     The cuts run back from the last token to the last one before the argument's first
     character: the earlier ones hold ASCII only, and every cut re-decodes all before it.
@@ -501,13 +505,20 @@ def check_call_cuts(reply: Callable[[int], Cut]) -> None:
     cuts: list[Cut] = []
     for k in range(uncut.tokens - 1, 0, -1):
         cuts.insert(0, reply(k))
-        if WIDE[0] not in cuts[0].text:
+        if WIDE[0] not in (cuts[0].arguments or ""):
             break
-    assert WIDE[0] not in cuts[0].text
-    assert all(cut.arguments is None for cut in cuts)
-    # the uncut reply's text is a call, not text: the longest cut stands in for it
-    check_cuts(cuts, Cut(cuts[-1].text, [], "", 0))
-    assert f'"{WIDE}' in cuts[-1].text  # the whole value, every character in one piece
+    arguments = []
+    for cut in cuts:
+        assert cut.end in CUT_ENDS, cut
+        assert (cut.text, cut.deltas) == ("", []), cut  # no wire text as the answer
+        assert cut.arguments is not None, cut
+        assert "\ufffd" not in cut.arguments, cut
+        assert uncut.arguments.startswith(cut.arguments), (cut, uncut)
+        arguments.append(cut.arguments)
+    assert WIDE[0] not in arguments[0]
+    # a token that added no whole character: the test did cut inside one
+    assert any(a == b for a, b in zip(arguments, arguments[1:], strict=False)), arguments
+    assert f'"{WIDE}' in arguments[-1]  # the whole value, every character in one piece
 
 
 def chat_reply(oai, **kwargs: Any) -> Callable[[int], Cut]:  # type: ignore[no-untyped-def]
@@ -561,14 +572,18 @@ def messages_reply(ant, extra_body: dict[str, Any] | None = None,  # type: ignor
                                          **kwargs):
             if event.type == "content_block_delta" and event.delta.type == "text_delta":
                 deltas.append(event.delta.text)
+            elif event.type == "content_block_start" and event.content_block.type == "tool_use":
+                arguments.append("")
             elif event.type == "content_block_delta":
-                arguments.append(event.delta.partial_json)
+                arguments[-1] += event.delta.partial_json
             elif event.type == "message_delta":
                 stop_reason = event.delta.stop_reason
         text = "".join(b.text for b in plain.content if b.type == "text")
         calls = [b.input for b in plain.content if b.type == "tool_use"]
         assert (stop_reason, "".join(deltas)) == (plain.stop_reason, text)
-        assert [json.loads(a) for a in arguments] == calls
+        # a call cut off streams the JSON written so far; the whole body holds what of it
+        # was written whole
+        assert [partial_input(a) for a in arguments] == calls
         assert all("\ufffd" not in a for a in arguments)
         return Cut(text, deltas, stop_reason, plain.usage.output_tokens,
                    arguments[0] if arguments else None)
@@ -627,3 +642,214 @@ def test_messages_forced_call_cut_inside_characters(ant) -> None:
     tool = {"name": "say", "description": "Say a word.", "input_schema": SAY}
     check_call_cuts(messages_reply(ant, messages=SAY_PROMPT, tools=[tool],
                                    tool_choice={"type": "any"}))
+
+
+# ---------------------------------------------------------------------------- calls and schemas
+
+class Forecast(BaseModel):
+    """The weather in a city."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Lyon"]
+    sky: Literal["sunny", "rainy", "cloudy"]
+
+
+FORECAST = Forecast.model_json_schema()
+
+
+def forced_with_schema(oai, ant, dialect: str, choice: str) -> tuple[str, Any, str]:  # type: ignore[no-untyped-def]
+    """(name, arguments, end) of a forced call asked for together with an output schema."""
+    if dialect == "chat":
+        reply = oai.chat.completions.create(
+            **chat_call_kwargs(choice), response_format={"type": "json_schema", "json_schema": {
+                "name": "forecast", "schema": FORECAST, "strict": True}})
+        first = reply.choices[0]
+        assert first.message.content is None
+        (call,) = first.message.tool_calls
+        return call.function.name, call.function.arguments, first.finish_reason
+    if dialect == "responses":
+        response = oai.responses.create(**responses_call_kwargs(choice), text={"format": {
+            "type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}})
+        (item,) = response.output
+        assert item.type == "function_call" and item.status == "completed"
+        return item.name, item.arguments, response.status
+    kwargs = messages_call_kwargs(choice)
+    kwargs["extra_body"]["output_config"] = {"format": {"type": "json_schema", "schema": FORECAST}}
+    message = ant.messages.create(**kwargs)
+    (block,) = message.content
+    assert block.type == "tool_use"
+    return block.name, block.input, message.stop_reason
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+def test_a_forced_call_with_an_output_schema_is_the_call(oai, ant, dialect: str, choice: str) -> None:
+    name, arguments, end = forced_with_schema(oai, ant, dialect, choice)
+    assert end in CALL_ENDS
+    valid_call(name, arguments, choice == "named")
+
+
+def test_openai_agents_sdk_output_type_with_a_required_tool(smol) -> None:  # type: ignore[no-untyped-def]
+    """The Agents SDK sends text.format (the output_type) with tool_choice "required"; once
+    the tool has run it resets the choice to auto and the reply follows the schema."""
+    agents = pytest.importorskip("agents")
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    agents.set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Lyon"]) -> str:
+        """Current weather in a city."""
+        asked.append(city)
+        return "sunny, 21 degrees"
+
+    client = openai.AsyncOpenAI(base_url=smol.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    agent = agents.Agent(
+        name="forecaster",
+        instructions="Look the weather up, then report it.",
+        tools=[get_weather],
+        output_type=Forecast,
+        model=OpenAIResponsesModel(model="m", openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert isinstance(result.final_output, Forecast)
+    assert len(asked) == 1
+
+
+def test_instructor_responses_tools_mode_gets_a_validated_object(smol) -> None:  # type: ignore[no-untyped-def]
+    """instructor's RESPONSES_TOOLS mode forces a call of the model's tool and sends the
+    model's schema as text.format too."""
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=smol.base_url + "/v1", api_key=API_KEY, max_retries=0),
+        mode=instructor.Mode.RESPONSES_TOOLS,
+    )
+    forecast = client.create(
+        model="m", response_model=Forecast, max_retries=0, temperature=0, max_tokens=64,
+        messages=[{"role": "user", "content": "Paris is sunny today. Give the forecast."}],
+    )
+    assert isinstance(forecast, Forecast)
+
+
+# Not strict and no additionalProperties, as instructor's JSON modes and `llm --schema` send
+# an output schema: objects are closed anyway, so the model cannot add keys or repeat them.
+LOOSE = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16},
+                   "country": {"type": "string", "maxLength": 16}},
+    "required": ["city"],
+}
+LOOSE_PROMPT = [{"role": "user", "content":
+                 "Describe Paris as a JSON object with many keys: city, country, population, "
+                 "mayor, rivers, monuments, and more."}]
+
+
+def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+def test_an_output_schema_that_is_not_strict_gets_closed_objects(oai, ant, dialect: str) -> None:
+    if dialect == "chat":
+        reply = oai.chat.completions.create(
+            model="m", messages=LOOSE_PROMPT, temperature=0, max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "city", "schema": LOOSE, "strict": False}})
+        text, end = reply.choices[0].message.content, reply.choices[0].finish_reason
+    elif dialect == "responses":
+        response = oai.responses.create(
+            model="m", input=LOOSE_PROMPT, temperature=0, max_output_tokens=64,
+            text={"format": {"type": "json_schema", "name": "city", "schema": LOOSE,
+                             "strict": False}})
+        text, end = response.output_text, response.status
+    else:
+        message = ant.messages.create(
+            model="m", max_tokens=64, messages=LOOSE_PROMPT, extra_body={
+                "temperature": 0, "output_config": {"format": {
+                    "type": "json_schema", "schema": LOOSE}}})
+        text, end = message.content[0].text, message.stop_reason
+    assert end in ("stop", "completed", "end_turn"), text
+    value = json.loads(text, object_pairs_hook=no_repeats)
+    assert "city" in value and set(value) <= {"city", "country"}, value
+
+
+# A named call cut off part way through its arguments: greedy SmolLM2 writes
+# {"name": "get_time", "arguments": {"timezone": "Europe/Paris"}} in 20 tokens, and 16 end it
+# inside the time zone.
+CUT_TOKENS = 16
+
+
+def cut_arguments(arguments: str) -> None:
+    assert arguments.startswith('{"timezone": "'), arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)  # incomplete JSON, as the docs say
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_forced_call_cut_by_max_tokens_is_a_call(oai, stream: bool) -> None:
+    kwargs = {**chat_call_kwargs("named"), "max_tokens": CUT_TOKENS}
+    if stream:
+        content, calls, finish = [], [], None
+        for chunk in oai.chat.completions.create(**kwargs, stream=True):
+            for part in chunk.choices:
+                content.append(part.delta.content or "")
+                calls += part.delta.tool_calls or []
+                finish = part.finish_reason or finish
+        assert "".join(content) == ""
+        (call,) = calls
+        assert call.index == 0
+    else:
+        choice = oai.chat.completions.create(**kwargs).choices[0]
+        finish = choice.finish_reason
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+    assert finish == "length"
+    assert call.id.startswith("call_") and call.function.name == NAMED
+    cut_arguments(call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_forced_call_cut_by_max_tokens_is_an_incomplete_function_call(
+    oai, stream: bool
+) -> None:
+    kwargs = {**responses_call_kwargs("named"), "max_output_tokens": CUT_TOKENS}
+    if stream:
+        events = list(oai.responses.create(**kwargs, stream=True))
+        kinds = [e.type for e in events]
+        assert "response.output_text.delta" not in kinds
+        assert kinds[-1] == "response.incomplete"
+        response = events[-1].response
+        (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+        assert done == response.output[0]
+        arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert "".join(arguments) == done.arguments
+    else:
+        response = oai.responses.create(**kwargs)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == ""
+    (item,) = response.output
+    assert item.type == "function_call" and item.status == "incomplete" and item.name == NAMED
+    cut_arguments(item.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_messages_forced_call_cut_by_max_tokens_is_a_tool_use(ant, stream: bool) -> None:
+    kwargs = {**messages_call_kwargs("named"), "max_tokens": CUT_TOKENS}
+    if stream:
+        with ant.messages.stream(**kwargs) as events:
+            partial = "".join(e.partial_json for e in events if e.type == "input_json")
+            message = events.get_final_message()
+        cut_arguments(partial)
+    else:
+        message = ant.messages.create(**kwargs)
+    assert message.stop_reason == "max_tokens"
+    (block,) = message.content
+    assert block.type == "tool_use" and block.name == NAMED and block.id.startswith("toolu_")
+    # what was written whole: the time zone so far
+    assert set(block.input) <= {"timezone"}
+    assert "Europe/Paris".startswith(block.input.get("timezone", ""))

@@ -14,7 +14,7 @@ import pytest
 from lmserve_core.backend import ThinkMarkers
 from lmserve_core.reasoning import ThinkRouter
 from lmserve_core.request import Tool
-from lmserve_core.tools import HERMES, JSON_CALL, forced_call_grammar
+from lmserve_core.tools import HERMES, JSON_CALL, QWEN_XML, forced_call_grammar
 
 WEATHER = Tool(
     "get_weather",
@@ -175,3 +175,107 @@ def test_json_call_grammar_is_one_bare_object(tokenizer: Any) -> None:
     assert accepts(tokenizer, grammar, '{"name": "get_time", "arguments": {"tz": "UTC"}}')
     assert not accepts(tokenizer, grammar, CALL_A)
     assert not accepts(tokenizer, grammar, '{"name": "get_time"}')
+
+
+# ---------------------------------------------------------------------------- cut off
+
+
+def cut_at(convention: Any, text: str, tools: Any) -> tuple[str, list[Any]]:
+    parser = convention.parser(tools)
+    shown, calls = parser.feed(text)
+    rest, more = parser.cut()
+    return shown + rest, calls + more
+
+
+@pytest.mark.parametrize(
+    ("convention", "reply", "arguments"),
+    [
+        (HERMES, "Let me check.\n\n" + CALL_A, '{"city": "Paris"}'),
+        (JSON_CALL, CALL_A.split("\n")[1], '{"city": "Paris"}'),
+        (
+            QWEN_XML,
+            "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPa\"ris\n"
+            "</parameter>\n</function>\n</tool_call>",
+            '{"city": "Pa\\"ris"}',
+        ),
+    ],
+    ids=["hermes", "json", "qwen_xml"],
+)
+def test_a_reply_cut_off_anywhere_shows_no_call_notation(
+    convention: Any, reply: str, arguments: str
+) -> None:
+    """Cut at every character: the text before the call is content, the call is a call
+    (partial, its arguments the JSON so far) or nothing, never text."""
+    lead = "" if convention is JSON_CALL else "Let me check."
+    for end in range(len(reply) + 1):
+        text, calls = cut_at(convention, reply[:end], [WEATHER, TIME])
+        # (cut in the whitespace after the text, the reply keeps it)
+        assert lead.startswith(text.rstrip()) and (text == lead or not calls), (end, text)
+        assert len(calls) <= 1, end
+        for call in calls:
+            assert call.name == "get_weather"
+            assert arguments.startswith(call.arguments), (end, call.arguments)
+            assert call.partial or call.arguments == arguments
+    # whole but for the closing marker (or the object's last brace), a call is whole
+    _, [call] = cut_at(convention, reply[:-1 if convention is JSON_CALL else -3], [WEATHER, TIME])
+    assert call.arguments == arguments
+
+
+def test_a_cut_call_names_its_tool_once_only_one_fits() -> None:
+    head = '<tool_call>\n{"name": "get_'
+    assert cut_at(HERMES, head, [WEATHER, TIME]) == ("", [])  # either tool
+    [call] = cut_at(HERMES, head + "t", [WEATHER, TIME])[1]
+    assert (call.name, call.arguments, call.partial) == ("get_time", "", True)
+    [call] = cut_at(HERMES, "<tool_call>\n", [WEATHER])[1]  # the only tool
+    assert call.name == "get_weather"
+    assert cut_at(HERMES, head + "t", None) == ("", [])  # tools unknown: no guess
+    # a region that is no call, and an opening marker begun, are dropped
+    assert cut_at(HERMES, "Hi <tool_call>\nplain words", [WEATHER]) == ("Hi", [])
+    assert cut_at(HERMES, "Hi <tool_c", [WEATHER]) == ("Hi", [])
+    # whitespace held back at the cut is still the reply's
+    assert cut_at(HERMES, "Hi  ", [WEATHER]) == ("Hi  ", [])
+
+
+def test_a_cut_xml_call_types_the_parameters_written_whole() -> None:
+    tool = Tool("f", "", {"type": "object", "properties": {
+        "n": {"type": "integer"}, "s": {"type": "string"}, "o": {"type": "object"}}})
+    body = ("<tool_call>\n<function=f>\n<parameter=n>\n12\n</parameter>\n"
+            "<parameter=o>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=s>\nline\none\n</param")
+    [call] = cut_at(QWEN_XML, body, [tool])[1]
+    assert call.arguments == '{"n": 12, "o": {"a": [1, 2]}, "s": "line\\none'
+    [call] = cut_at(QWEN_XML, body[: body.index("[1")], [tool])[1]
+    assert call.arguments == '{"n": 12, "o": {"a": '
+    # a function no tool declares is no call
+    assert cut_at(QWEN_XML, "<tool_call>\n<function=g>\n", [tool]) == ("", [])
+
+
+def test_closed_schema_closes_objects_that_do_not_open_themselves() -> None:
+    from lmserve_core.tools import closed_schema
+
+    item = {"type": "object", "properties": {"x": {}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "list": {"type": "array", "items": item},
+            "choice": {"anyOf": [item, {"type": "null"}]},
+            "open": {"type": "object", "properties": {"y": {}}, "additionalProperties": True},
+            "loose": {"type": "object"},
+            "properties": item,  # a property so named is still a property
+            "both": {"allOf": [item, {"properties": {"z": {}}}]},
+            "const": {"const": {"properties": {}}},
+        },
+        "$defs": {"D": item},
+    }
+    out = closed_schema(schema)
+    closed = {**item, "additionalProperties": False}
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["list"]["items"] == closed and props["choice"]["anyOf"][0] == closed
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["loose"]
+    assert props["properties"] == closed and set(props) == set(schema["properties"])
+    # the parts of an allOf each name some of the keys: left open
+    assert props["both"] == schema["properties"]["both"]
+    assert props["const"] == {"const": {"properties": {}}}  # a value, not a schema
+    assert out["$defs"]["D"] == closed
+    assert schema["properties"]["list"]["items"] == item  # the input is left as it was

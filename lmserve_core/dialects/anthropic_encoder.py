@@ -10,6 +10,8 @@ from ..request import ToolCall
 from ..wire_errors import anthropic_error
 from .common import Collected, sse_event
 
+_DECODER = json.JSONDecoder()
+
 STOP_REASONS = {
     "stop": "end_turn",
     "length": "max_tokens",
@@ -34,6 +36,77 @@ def tool_input(call: ToolCall) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def partial_input(text: str) -> dict[str, Any]:
+    """The object a JSON text cut off part way had written so far, as a non-streaming
+    ``tool_use`` block's ``input`` holds it: the members written whole, a string value cut
+    off closed where it stops; a key, number or word cut off, and what is nested in it, left
+    out. ``{}`` when not even the object was begun."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        pass
+    else:
+        return value if isinstance(value, dict) else {}
+    stack: list[str] = []  # the open brackets' closers
+    keyed: list[bool] = []  # per open container: True while an object expects a key
+    best = ""  # the longest prefix that closes into valid JSON, closed
+    pos, n = 0, len(text)
+    while pos < n:
+        ch = text[pos]
+        if ch in " \t\r\n":
+            pos += 1
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+            keyed.append(ch == "{")
+            pos += 1
+            best = text[:pos] + "".join(reversed(stack))
+        elif ch in "}]":
+            if not stack:
+                break
+            stack.pop()
+            keyed.pop()
+            pos += 1
+            best = text[:pos] + "".join(reversed(stack))
+        elif ch == ",":
+            if keyed:
+                keyed[-1] = stack[-1] == "}"
+            pos += 1
+        elif ch == ":":
+            if keyed:
+                keyed[-1] = False
+            pos += 1
+        elif ch == '"':
+            try:
+                _, end = _DECODER.raw_decode(text, pos)
+            except ValueError:  # cut off inside the string
+                if keyed and not keyed[-1]:  # a value: closed where it stops
+                    for stop in range(n, max(n - 6, pos), -1):
+                        closed = text[:stop] + '"' + "".join(reversed(stack))
+                        try:
+                            json.loads(closed)
+                        except ValueError:
+                            continue
+                        best = closed
+                        break
+                break
+            pos = end
+            if keyed and not keyed[-1]:
+                best = text[:pos] + "".join(reversed(stack))
+        else:  # a number or a word: whole only when something follows it
+            end = pos
+            while end < n and text[end] not in " \t\r\n,:]}":
+                end += 1
+            if end == n:
+                break
+            pos = end
+            best = text[:pos] + "".join(reversed(stack))
+    try:
+        value = json.loads(best) if best else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def usage_body(usage: Usage) -> dict[str, int]:
@@ -65,7 +138,7 @@ def message_body(msg_id: str, model: str, out: Collected) -> dict[str, Any]:
     uses: list[dict[str, Any]] = []
     passthrough: list[str] = []
     for call in out.tool_calls:
-        parsed = tool_input(call)
+        parsed = partial_input(call.arguments) if call.partial else tool_input(call)
         if parsed is None:
             passthrough.append(call.arguments)
         else:
@@ -181,6 +254,9 @@ class MessageStreamEncoder:
         return frames
 
     def _tool_use(self, call: ToolCall) -> list[bytes]:
+        if call.partial:
+            # cut off by the token bound: the JSON written so far, as Anthropic streams it
+            return self._tool_use_block(call, call.arguments)
         parsed = tool_input(call)
         if parsed is None:
             # unparseable arguments pass through as their own text block, as in the
@@ -188,6 +264,9 @@ class MessageStreamEncoder:
             if not call.arguments:
                 return []
             return self._close() + self._delta("text", call.arguments)
+        return self._tool_use_block(call, json.dumps(parsed, ensure_ascii=False))
+
+    def _tool_use_block(self, call: ToolCall, arguments: str) -> list[bytes]:
         self.called_tool = True
         frames = self._close()
         frames.append(
@@ -195,11 +274,10 @@ class MessageStreamEncoder:
                 {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}}
             )
         )
-        frames.append(
-            self._block_delta(
-                {"type": "input_json_delta", "partial_json": json.dumps(parsed, ensure_ascii=False)}
+        if arguments:
+            frames.append(
+                self._block_delta({"type": "input_json_delta", "partial_json": arguments})
             )
-        )
         frames.append(
             sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
         )

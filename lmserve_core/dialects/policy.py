@@ -12,9 +12,12 @@ The rules:
 * auto with tools on a backend without a tool convention drops them (logged
   ``tools_dropped``): the model answers as plain chat, so tool-sending agents stay usable.
 * A forced call (any tool, or a named one) compiles to a grammar, so it needs constrained
-  decoding (501 without) and excludes an output constraint (400). It does not need a tool
-  convention: the backend then has the model write one bare JSON call.
-* At most one output constraint per request, and it needs constrained decoding (501).
+  decoding (501 without). It does not need a tool convention: the backend then has the
+  model write one bare JSON call.
+* At most one output constraint per request, and it needs constrained decoding (501). It
+  governs the reply's text and the tool choice its calls, independently: with a forced
+  call the reply is the call (the constraint has no text to govern), under auto it is
+  calls or text of the constraint.
 * A grammar — a constraint or a forced call — governs the reply from its first token, so
   it switches reasoning off. A reasoning switch on a backend without a reasoning mode is a
   no-op, or a 400 where the dialect's field promises reasoning (``ReasoningAsk.strict``).
@@ -167,9 +170,7 @@ def check_system_role(field: str, caps: Capabilities) -> None:
         raise InvalidRequest(f"'{field}': this model has no system role", param=field)
 
 
-def _tools(
-    ask: ToolAsk, constraint: tuple[str, Constraint] | None, caps: Capabilities
-) -> tuple[list[Tool], ToolChoice]:
+def _tools(ask: ToolAsk, caps: Capabilities) -> tuple[list[Tool], ToolChoice]:
     field, choice = ask.field, ask.choice
     if is_forced(choice):
         if not ask.tools:
@@ -182,11 +183,6 @@ def _tools(
                 "this model's backend lacks it",
                 param=field,
                 code=UNSUPPORTED,
-            )
-        if constraint is not None:
-            raise InvalidRequest(
-                f"'{field}' forces a tool call, which cannot be combined with '{constraint[0]}'",
-                param=field,
             )
         return ask.tools, choice
     if choice.mode is ToolChoiceMode.NONE:
@@ -215,7 +211,7 @@ def decide(
     so a request with several problems gets the same first error in every dialect."""
     constraint = pick_constraint(constraints, caps)
     ask = tools if tools is not None else ToolAsk([], ToolChoice())
-    kept, choice = _tools(ask, constraint, caps)
+    kept, choice = _tools(ask, caps)
     switch = reasoning if reasoning is not None else ReasoningAsk()
     if switch.on and not caps.reasoning and switch.strict:
         raise InvalidRequest(

@@ -118,6 +118,11 @@ def finish_status(finish: Finish) -> str:
     return "incomplete" if finish.reason == "length" else "completed"
 
 
+def call_status(call: ToolCall) -> str:
+    """A ``function_call`` item's status: ``incomplete`` when the token bound cut it off."""
+    return "incomplete" if call.partial else "completed"
+
+
 def error_code(status: int) -> str:
     # ResponseError.code is an enumeration; these are the two that describe our failures
     return "rate_limit_exceeded" if status == 429 else "server_error"
@@ -135,7 +140,9 @@ def encode_response(meta: ResponseMeta, collected: Collected) -> dict[str, Any]:
         output.append(message_item(new_id("msg_"), collected.text, status, logprobs))
     for call in collected.tool_calls:
         output.append(
-            function_call_item(new_id("fc_"), call, call.arguments, "completed", meta.namespaces)
+            function_call_item(
+                new_id("fc_"), call, call.arguments, call_status(call), meta.namespaces
+            )
         )
     return response_object(meta, status=status, output=output, usage=collected.finish.usage)
 
@@ -304,7 +311,7 @@ class ResponsesStreamEncoder:
         index = len(self._output)
         item_id = new_id("fc_")
         added = function_call_item(item_id, call, "", "in_progress", self.meta.namespaces)
-        done = {**added, "arguments": call.arguments, "status": "completed"}
+        done = {**added, "arguments": call.arguments, "status": call_status(call)}
         ids = {"item_id": item_id, "output_index": index}
         self._output.append(done)
         return [

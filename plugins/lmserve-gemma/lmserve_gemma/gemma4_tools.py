@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmserve_core.request import ToolCall
-from lmserve_core.tools import MarkerRegionParser, call_id, json_type
+from lmserve_core.tools import MarkerRegionParser, call_id, json_type, tool_named
 
 if TYPE_CHECKING:
     from lmserve_core.request import Tool
@@ -49,6 +49,7 @@ __all__ = [
     "Gemma4Convention",
     "Gemma4Parser",
     "GemmaNotationError",
+    "cut_call",
     "format_call",
     "format_value",
     "parse_call",
@@ -211,6 +212,71 @@ def parse_call(body: str) -> ToolCall | None:
     return ToolCall(id=call_id(), name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
 
+def _json_prefix(text: str) -> str:
+    """The JSON that a value in Gemma's notation cut off part way had written so far: token
+    by token, a string (a key, quoted or bare, too) left open where it stops."""
+    out: list[str] = []
+    stack: list[str] = []  # the open brackets
+    keyed: list[bool] = []  # per open bracket: True while an object expects a key
+    pos, n = 0, len(text)
+    while pos < n:
+        ch = text[pos]
+        if ch in _SPACE:
+            pos += 1
+        elif text.startswith(QUOTE, pos):
+            end = text.find(QUOTE, pos + len(QUOTE))
+            quoted = json.dumps(text[pos + len(QUOTE) : n if end < 0 else end], ensure_ascii=False)
+            out.append(quoted if end >= 0 else quoted[:-1])
+            pos = n if end < 0 else end + len(QUOTE)
+        elif ch in "{[":
+            out.append(ch)
+            stack.append(ch)
+            keyed.append(ch == "{")
+            pos += 1
+        elif ch in "}]":
+            out.append(ch)
+            if stack:
+                stack.pop()
+                keyed.pop()
+            pos += 1
+        elif ch in ",:":
+            out.append(ch + " ")
+            if stack:
+                keyed[-1] = ch == "," and stack[-1] == "{"
+            pos += 1
+        elif keyed and keyed[-1]:  # a bare key
+            match = _KEY_END.search(text, pos)
+            end = match.start() if match else n
+            key = json.dumps(text[pos:end].strip(_SPACE), ensure_ascii=False)
+            out.append(key if match else key[:-1])
+            pos = end
+        else:  # a number or a word
+            end = pos
+            while end < n and text[end] not in _SPACE + ",}]":
+                end += 1
+            out.append("null" if text[pos:end] == "None" else text[pos:end])
+            pos = end
+    return "".join(out)
+
+
+def cut_call(body: str, names: Sequence[str] | None = None) -> ToolCall | None:
+    """The partial call of a ``call:NAME{…}`` cut off part way: its tool (``tool_named``,
+    ``names`` the declared tools' names) and its arguments as the JSON written so far
+    (:func:`_json_prefix`; "" before the ``{``). None when ``body`` does not begin such a
+    call, or its tool cannot be told."""
+    if not body.startswith(_CALL):
+        if not _CALL.startswith(body):
+            return None
+        body = _CALL
+    brace = body.find("{", len(_CALL))
+    written = body[len(_CALL) : brace if brace >= 0 else len(body)]
+    name = tool_named(written, brace >= 0, names)
+    if not name or not _NAME.fullmatch(name):
+        return None
+    arguments = _json_prefix(body[brace:]) if brace >= 0 else ""
+    return ToolCall(id=call_id(), name=name, arguments=arguments, partial=True)
+
+
 def _dictsort(items: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """Jinja's ``dictsort``: by key, case-insensitively, ties in their given order."""
     return sorted(items, key=lambda item: item[0].lower() if isinstance(item[0], str) else item[0])
@@ -248,14 +314,19 @@ class Gemma4Parser(MarkerRegionParser):
     is content, only what may still become the opening marker held back). Inside a region a
     closing marker within a ``<|"|>`` string is string text. A region that is not a call
     passes through as content, markers included; so does an unclosed one when the reply
-    ends.
+    ends — unless the token bound ended it: then it is a partial call (:func:`cut_call`,
+    ``tools`` naming the declared tools) or nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Iterable[Tool] | None = None) -> None:
         super().__init__(CALL_OPEN, CALL_CLOSE)
+        self._names = None if tools is None else [t.name for t in tools]
 
     def parse_region(self, body: str) -> ToolCall | None:
         return parse_call(body.strip())
+
+    def cut_region(self, body: str) -> ToolCall | None:
+        return cut_call(body.strip(), self._names)
 
     def close_at(self, region: str) -> int:
         # a quoted string may hold the closing marker as text
@@ -592,7 +663,7 @@ class Gemma4Convention:
     name = "gemma4"
 
     def parser(self, tools: Iterable[Tool] | None = None) -> Gemma4Parser:
-        return Gemma4Parser()
+        return Gemma4Parser(tools)
 
     def forced_grammar(
         self, arguments: Sequence[tuple[str, dict[str, Any]]], parallel: bool, lenient: bool

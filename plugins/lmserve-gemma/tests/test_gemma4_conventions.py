@@ -28,7 +28,7 @@ from lmserve_core.backend import ThinkMarkers
 from lmserve_core.chat_template import ChatTemplate, message_dicts, tool_dicts
 from lmserve_core.reasoning import ThinkRouter
 from lmserve_core.request import Message, Tool, ToolCall
-from lmserve_core.tools import _closed, forced_call_grammar
+from lmserve_core.tools import closed_schema, forced_call_grammar
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -120,6 +120,31 @@ def test_parser_one_character_at_a_time() -> None:
     reply = "Checking " + NESTED_CALL + WEATHER_CALL + " done"
     want = ("Checking done", [("f", NESTED_ARGS), ("get_weather", {"city": "Paris"})])
     assert parse_in_pieces(list(reply)) == want
+
+
+def test_a_reply_the_token_bound_cuts_off_shows_no_call_notation() -> None:
+    """Cut after every token of a call (the quote and the markers are single tokens): the
+    text before it is content, the call a call — partial, its arguments the JSON written
+    so far — or nothing, never text."""
+    args = {"city": "Zürich", "days": [1, 2.5, None], "opts": {"metric": True}}
+    reply = "Checking. " + format_call("get_weather", args)
+    whole = json.dumps(args, ensure_ascii=False)
+    tools = [Tool("get_weather"), Tool("get_time")]
+    pieces = re.split(r'(<\|tool_call>|<tool_call\|>|<\|"\|>|.)', reply)
+    tokens = [piece for piece in pieces if piece]
+    for end in range(len(tokens) + 1):
+        parser = GEMMA4_TOOLS.parser(tools)
+        text, calls = parser.feed("".join(tokens[:end]))
+        rest, more = parser.cut()
+        shown = text + rest
+        assert "Checking.".startswith(shown.rstrip()), (end, shown)
+        assert shown == "Checking." or not calls + more, (end, shown)
+        for got in calls + more:
+            assert got.name == "get_weather"
+            assert whole.startswith(got.arguments), (end, got.arguments)
+            assert got.partial or got.arguments == whole
+    _, [last] = GEMMA4_TOOLS.parser(tools).feed(reply)
+    assert json.loads(last.arguments) == args
 
 
 def test_reasoning_and_calls_at_every_byte_offset() -> None:
@@ -511,7 +536,7 @@ def test_what_the_grammar_generates_parses_back_to_a_valid_call(tokenizer: Any) 
         content, calls = parse_in_pieces([text])
         assert content == "" and calls, text
         for name, args in calls:
-            schema = _closed(RICH_SCHEMA if name == "plan" else TIME.parameters)
+            schema = closed_schema(RICH_SCHEMA if name == "plan" else TIME.parameters)
             assert conforms(args, schema, RICH_SCHEMA), (text, args)
             seen.update(args)
         # and in pieces

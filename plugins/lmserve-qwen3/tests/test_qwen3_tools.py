@@ -201,9 +201,18 @@ def request_body(
     budget: int = 1024,
     max_tokens: int = 64,
     stream: bool = False,
+    schema: dict[str, Any] | None = None,  # an output schema
 ) -> dict[str, Any]:
     """A request of ``dialect`` spelling the same things in its own fields."""
     body: dict[str, Any] = {"model": "qwen3", "temperature": 0, "stream": stream}
+    if schema is not None:
+        body.update({
+            "chat": {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": schema}}},
+            "responses": {"text": {"format": {
+                "type": "json_schema", "name": "answer", "schema": schema}}},
+            "messages": {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        }[dialect])
     if dialect == "chat":
         body.update(messages=[{"role": "user", "content": ASK}], max_tokens=max_tokens)
         if stream:
@@ -279,6 +288,14 @@ def sse(text: str) -> Iterator[tuple[str | None, dict[str, Any]]]:
             yield event, json.loads(data)
 
 
+def arguments_of(text: str) -> Any:
+    """A call's arguments: the object, or the text when it is no JSON (a call cut off)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def read_chat(body: dict[str, Any]) -> Reply:
     choice = body["choices"][0]
     message = choice["message"]
@@ -287,7 +304,7 @@ def read_chat(body: dict[str, Any]) -> Reply:
         text=message["content"] or "",
         reasoning=message.get("reasoning_content") or "",
         calls=[
-            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            (c["function"]["name"], arguments_of(c["function"]["arguments"]))
             for c in message.get("tool_calls") or []
         ],
         finish=choice["finish_reason"],
@@ -317,7 +334,7 @@ def read_chat_stream(frames: list[tuple[str | None, dict[str, Any]]]) -> Reply:
                 ]
             if choice["finish_reason"] is not None:
                 reply.finish = choice["finish_reason"]
-    reply.calls = [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))]
+    reply.calls = [(name, arguments_of(args)) for name, args in (calls[i] for i in sorted(calls))]
     return reply
 
 
@@ -329,7 +346,7 @@ def read_responses(body: dict[str, Any]) -> Reply:
         elif item["type"] == "message":
             reply.text += "".join(part["text"] for part in item["content"])
         elif item["type"] == "function_call":
-            reply.calls.append((item["name"], json.loads(item["arguments"])))
+            reply.calls.append((item["name"], arguments_of(item["arguments"])))
     reply.completion_tokens = body["usage"]["output_tokens"]
     reply.reasoning_tokens = body["usage"]["output_tokens_details"]["reasoning_tokens"]
     return reply
@@ -349,7 +366,7 @@ def read_responses_stream(frames: list[tuple[str | None, dict[str, Any]]]) -> Re
             arguments[data["item_id"]] = arguments.get(data["item_id"], "") + data["delta"]
         elif event == "response.function_call_arguments.done":
             assert arguments[data["item_id"]] == data["arguments"]  # the deltas add up
-            reply.calls.append((data["name"], json.loads(data["arguments"])))
+            reply.calls.append((data["name"], arguments_of(data["arguments"])))
         elif event in ("response.completed", "response.incomplete"):
             final = read_responses(data["response"])
             # the closing response object says what the events said
@@ -398,7 +415,7 @@ def read_messages_stream(frames: list[tuple[str | None, dict[str, Any]]]) -> Rep
         elif event == "content_block_stop":
             block = blocks[data["index"]]
             if block["type"] == "tool_use":
-                reply.calls.append((block["name"], json.loads(block["json"])))
+                reply.calls.append((block["name"], arguments_of(block["json"])))
         elif event == "message_delta":
             reply.finish = data["delta"]["stop_reason"]
             reply.completion_tokens = data["usage"]["output_tokens"]
@@ -774,6 +791,65 @@ def test_two_call_regions_are_two_calls_unless_parallel_calls_are_off(
         # generation stops at the end of the first call: the second is never written
         first = script.index(srv.steer.ids("</tool_call>")[0]) + 1
         assert reply.completion_tokens == first
+
+
+# ---------------------------------------------------------------------------- calls and schemas
+
+ANSWER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+CUT = {"chat": "length", "responses": "incomplete", "messages": "max_tokens"}
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_an_output_schema_and_tools_under_auto_are_calls_or_text_of_the_schema(
+    srv: Served, dialect: str
+) -> None:
+    srv.steer.say(TWO_CALLS + "<|im_end|>")
+    reply = srv.ask(dialect, tools=list(SCHEMAS), schema=ANSWER, max_tokens=100)
+    assert (reply.calls, reply.text, reply.finish) == (TWO_CALLS_PARSED, "", CALLED[dialect])
+    srv.steer.say('{"n": 42}<|im_end|>')
+    reply = srv.ask(dialect, tools=list(SCHEMAS), schema=ANSWER)
+    assert (reply.calls, reply.text, reply.finish) == ([], '{"n": 42}', ANSWERED[dialect])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_forced_call_with_an_output_schema_is_a_call(
+    srv: Served, dialect: str, stream: bool
+) -> None:
+    srv.steer.always = srv.steer.ids("<|im_end|>")[0]
+    reply = srv.ask(dialect, tools=list(SCHEMAS), choice="get_time", schema=ANSWER,
+                    max_tokens=80, stream=stream)
+    ((name, arguments),) = reply.calls
+    assert name == "get_time" and conforms(arguments, TIME)
+    assert (reply.text, reply.finish) == ("", CALLED[dialect])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_call_the_token_bound_cuts_off_is_a_partial_call_not_text(
+    srv: Served, dialect: str, stream: bool
+) -> None:
+    """Not forced: the model opens a call region and runs into max_tokens inside it. The
+    call comes back as the dialect's call, its arguments the JSON written so far; its
+    markers and JSON never as text."""
+    call = TWO_CALLS.split("\n</tool_call>")[0] + "\n</tool_call>"
+    srv.steer.say(PREAMBLE + "\n" + call + "<|im_end|>")
+    head = PREAMBLE + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
+    cut = len(srv.steer.ids(head)) + 1  # a token into the city
+    reply = srv.ask(dialect, tools=list(SCHEMAS), max_tokens=cut, stream=stream)
+    assert (reply.text, reply.finish) == (PREAMBLE, CUT[dialect])
+    ((name, arguments),) = reply.calls
+    assert name == "get_weather"
+    if dialect == "messages" and not stream:
+        # a whole message's input holds what was written, a string so far closed
+        assert list(arguments) == ["city"] and "Lima".startswith(arguments["city"])
+    else:
+        assert isinstance(arguments, str) and arguments.startswith('{"city": "L')
+        assert '{"city": "Lima", "unit": "f"}'.startswith(arguments)
+    # cut inside the opening marker or before the name: no call, no text
+    reply = srv.ask(dialect, tools=list(SCHEMAS),
+                    max_tokens=len(srv.steer.ids(PREAMBLE + "\n<tool_call>\n{")), stream=stream)
+    assert (reply.text, reply.calls, reply.finish) == (PREAMBLE, [], CUT[dialect])
 
 
 # ---------------------------------------------------------------------------- 3. malformed
