@@ -2,8 +2,9 @@
 
 The merge work runs in the ``tokenizers`` library (Rust). Around it this module reproduces
 what llama.cpp does before and after the model: special tokens are split out of the text
-first (longest first; user-defined tokens always, control tokens only when asked), byte-level
-BPE vocabularies get the pre-tokenizer regexes that ``tokenizer.ggml.pre`` names, and
+first (longest first; user-defined tokens always, control tokens only when asked), BPE
+vocabularies get the pre-tokenizer that ``tokenizer.ggml.pre`` names (every name llama.cpp
+knows, with the regexes and settings llama.cpp gives it: docs/tokenizers.md), and
 SentencePiece vocabularies (``tokenizer.ggml.model == "llama"``) get a BPE whose merges are
 ranked by the score of the merged piece, which is how llama.cpp's SPM tokenizer merges.
 """
@@ -14,16 +15,20 @@ import codecs
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import structlog
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 if TYPE_CHECKING:
     from lmserve_core.gguf_file import GGUFFile
 
-__all__ = ["StreamDecoder", "Tokenizer", "TokenizerError", "TokenType"]
+__all__ = ["PRE_TOKENIZER_NAMES", "StreamDecoder", "Tokenizer", "TokenizerError", "TokenType"]
+
+log = structlog.get_logger("lmserve.tokenizer")
 
 
 class TokenizerError(ValueError):
@@ -42,58 +47,404 @@ class TokenType:
     BYTE = 6
 
 
-# -- pre-tokenizer regexes (llama.cpp llama-vocab.cpp, llm_tokenizer_bpe) ----------------------
+# -- pre-tokenizers (llama.cpp's llama-vocab.cpp) ---------------------------------------------
 
-# llama.cpp runs this one through a hand-written matcher that also ends in `|\s+`.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_REGEXES: dict[str, list[str]] = {
-    "default": [
-        r"[\p{P}\$\+<=>\^~\|]+",
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-        r"\p{N}+",
-        r"[0-9][0-9][0-9]",
-    ],
-    "gpt2": [_GPT2],
-    "smollm": [r"\p{N}", _GPT2],
-    "llama3": [_LLAMA3],
-    "qwen2": [_QWEN2],
-    "falcon": [
-        r"[\p{P}\$\+<=>\^~\|`]+",
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-        r"[0-9][0-9][0-9]",
-    ],
-}
-# tokenizer.ggml.pre value -> (regex family, ignore_merges, add_bos default)
-_PRE_TYPES: dict[str, tuple[str, bool, bool]] = {
-    "default": ("default", False, False),
-    "dbrx": ("llama3", False, False),
-    "smaug-bpe": ("llama3", False, False),
-    "glm4": ("llama3", False, False),
-    "chatglm-bpe": ("llama3", False, False),
-    "falcon": ("falcon", False, False),
-}
-for _family, _ignore_merges, _add_bos, _names in (
-    ("llama3", True, True, "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2"),
-    (
-        "gpt2",
-        False,
-        False,
-        "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert "
-        "mpt olmo jais trillion granite-docling exaone4",
+# llm_tokenizer_bpe's regexes per LLAMA_VOCAB_PRE_TYPE_* (the lower-case names sharing them),
+# verbatim: C++'s string escapes are Python's. llama.cpp splits the text with each in turn,
+# keeping matches and the text between them; :func:`_split_steps` says how they run here.
+_REGEXES_BY_TYPES: dict[str, tuple[str, ...]] = {
+    "llama3 dbrx smaug chatglm4": (
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
     ),
-    ("smollm", False, False, "smollm starcoder refact command-r codeshell exaone minerva-7b"),
-    ("qwen2", False, False, "qwen2 deepseek-r1-qwen kormo f2llmv2 stablelm2 megrez hunyuan"),
-):
-    for _name in _names.split():
-        _PRE_TYPES[_name] = (_family, _ignore_merges, _add_bos)
+    "jais2": (
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s{512}(?!\\S)|\\s{256}(?!\\S)|\\s{128}(?!\\S)|\\s{64}(?!\\S)|\\s{32}(?!\\S)|"
+            "\\s{16}(?!\\S)|\\s{8}(?!\\S)|\\s{4}(?!\\S)|\\s{1,2}(?!\\S)|\\s{1}"
+        ),
+    ),
+    "deepseek_llm": (
+        "[\r\n]",
+        "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+        "\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+",
+        "\\s+$",
+        "[一-龥ࠀ-一가-\ud7ff]+",
+        "\\p{N}+",
+    ),
+    "deepseek3_llm hunyuan_dense joyai_llm hy_v4": (
+        "\\p{N}{1,3}",
+        "[一-龥\u3040-ゟ゠-ヿ]+",
+        (
+            "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+            "[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "spark2_5": (
+        "\\p{N}{1,3}",
+        "[一-龥\u3040-ゟ゠-ヿ]+",
+        (
+            "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+            "[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+|[\r\n]|\\s+(?!\\S)|\\s+"
+        ),
+        "\\p{N}",
+    ),
+    "youtu": (
+        "[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥\u3040-ゟ゠-ヿ]+",
+        (
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?:'[sS]|"
+            "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?:'[sS]|"
+            "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "deepseek_coder": (
+        "[\r\n]",
+        "\\s?\\p{L}+",
+        "\\s?\\p{P}+",
+        "[一-龥ࠀ-一가-\ud7ff]+",
+        "\\p{N}",
+    ),
+    "falcon": (
+        "[\\p{P}\\$\\+<=>\\^~\\|`]+",
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+        "[0-9][0-9][0-9]",
+    ),
+    "starcoder refact command_r smollm codeshell exaone minerva mellum2": (
+        "\\p{N}",
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    ),
+    "gpt2 mpt olmo jais trillion granite_docling": (
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    ),
+    "stablelm2 qwen2 hunyuan solar_open grok_2": (
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "qwen35": (
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|"
+            "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "poro bloom gpt3_finnish": (" ?[^(\\s|.,!?…。，、।۔،)]+",),
+    "viking": (
+        " ?[^(\\s|.,!?…。，、।۔،)]+",
+        "\\p{N}",
+    ),
+    "tekken": (
+        (
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|"
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "chameleon": (
+        "<sentinel:[0-9]+>",
+        "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+        "([\\t\\n]|    |  )",
+        "\\p{N}",
+        "[\\p{P}!-/:-@\\[-`{-~]",
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    ),
+    "gpt4o minimax_m2": (
+        (
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|"
+            "'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|"
+            "'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "granite_emb_multi": (
+        (
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))*((?=[\\p{L}\\p{M}])([^A-Z]))+(?:'[sS]|"
+            "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+            "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))+((?=[\\p{L}\\p{M}])([^A-Z]))*(?:'[sS]|"
+            "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "tiny_aya": (
+        "\\d{1,3}(?=(?:\\d{3})*\\b)",
+        (
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+(?:'[sS]|"
+            "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+            "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?:'[sS]|"
+            "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "kimi_k2": ("\\p{Han}+",),
+    "superbpe": (
+        "\\p{N}+",
+        "(?=(\\d{3})+(?!\\d))",
+    ),
+    "bailingmoe": (
+        (
+            "'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "seed_coder": (
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1}| ?[^\\s\\p{L}\\p{N}\\r\\n]+|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "ufakzeka": (
+        (
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "afmoe": (
+        "\\p{AFMoE_digits}",
+        "[一-鿿㐀-䶿豈-\ufaff\u3040-ゟ゠-ヿ･-ﾟ⼀-\u2fdfเ-\u0e7f\u0e80-\u0effក-\u17ffက-႟ꩠ-ꩿꧠ-\ua9ff가-\ud7afᄀ-ᇿ]+",
+        (
+            "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+            "[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "laguna": (
+        "[^\\n]+|[\\n]+",
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "exaone_moe": (
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?(?:\\p{L}\\p{M}*(?: \\p{L}\\p{M}*)*)+|\\p{N}|"
+            " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]?|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "gemma4 sarvam_moe": ("[^\\n]+|[\\n]+",),
+    "minicpm5": (
+        "\\p{N}{1,3}",
+        (
+            "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+            "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+            "\\s+(?!\\S)|\\s+"
+        ),
+    ),
+    "whitespace": ("\\S+",),
+    "default": (
+        "[\\p{P}\\$\\+<=>\\^~\\|]+",
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+        "\\p{N}+",
+        "[0-9][0-9][0-9]",
+    ),
+}
+_PRE_REGEXES: dict[str, tuple[str, ...]] = {
+    kind: regexes for kinds, regexes in _REGEXES_BY_TYPES.items() for kind in kinds.split()
+}
+# Types whose words are merged as raw UTF-8 with <0xXX> byte tokens (llama.cpp's
+# byte_encode = false), not as GPT-2's byte characters.
+_RAW_UTF8 = frozenset(("gemma4", "sarvam_moe", "whitespace"))
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """What llama_vocab::impl::load sets for one ``tokenizer.ggml.pre`` name."""
+
+    type: str  # a key of _PRE_REGEXES
+    ignore_merges: bool = False  # a word that is a token is that token
+    add_bos: bool = False  # default of tokenizer.ggml.add_bos_token
+    clean_spaces: bool = True  # llama_detokenize's clean-up (``decode(clean_spaces=True)``)
+    escape_whitespaces: bool = False  # spaces become U+2581 before splitting
+    bos: bool = True  # False: no default BOS id (tokenizer.ggml.bos_token_id still counts)
+    add_sep: bool = False  # llama.cpp's add_sep (its reranking prompts); recorded only
+
+
+# tokenizer.ggml.pre -> pre-tokenizer, in the order of llama.cpp's chain of names.
+_PRE_NAMES: dict[str, _PreTokenizer] = {}
+
+
+def _names(kind: str, names: str, **flags: bool) -> None:
+    for name in names.split():
+        _PRE_NAMES[name] = _PreTokenizer(kind, **flags)
+
+
+_LLAMA3_NAMES = "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano"
+_GPT2_NAMES = (
+    "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert"
+)
+_names("default", "default")
+_names("minicpm5", "minicpm5", ignore_merges=True)
+_names("llama3", _LLAMA3_NAMES, ignore_merges=True, add_bos=True)
+_names("deepseek_llm", "deepseek-llm", clean_spaces=False)
+_names("deepseek_coder", "deepseek-coder", clean_spaces=False)
+_names("deepseek3_llm", "deepseek-v3", clean_spaces=False)
+_names("spark2_5", "spark2_5", clean_spaces=False)
+_names("youtu", "youtu", clean_spaces=False, ignore_merges=True)
+_names("falcon", "falcon")
+_names("mpt", "mpt")
+_names("starcoder", "starcoder")
+_names("gpt2", _GPT2_NAMES)
+_names("jais2", "jais-2")
+_names("gemma4", "gemma4 granite-embed-multi-311m", escape_whitespaces=True)
+_names("sarvam_moe", "sarvam-moe", escape_whitespaces=True, clean_spaces=False)
+_names("gpt2", "jina-v1-en jina-v2-code roberta-bpe", add_sep=True)
+_names("whitespace", "whitespace")  # also sets the normalizer's lowercase default to false
+_names("refact", "refact")
+_names("command_r", "command-r", clean_spaces=False)
+_names("qwen2", "qwen2 deepseek-r1-qwen kormo f2llmv2", clean_spaces=False)
+_names("qwen35", "qwen35", clean_spaces=False)
+_names("stablelm2", "stablelm2")
+_names("olmo", "olmo")
+_names("dbrx", "dbrx")
+_names("smaug", "smaug-bpe")
+_names("poro", "poro-chat", clean_spaces=False)
+_names("chatglm4", "chatglm-bpe", bos=False)
+_names("chatglm4", "glm4 glm5", bos=False, ignore_merges=True)
+_names("viking", "viking", clean_spaces=False)
+_names("jais", "jais")
+_names("tekken", "tekken", clean_spaces=False, ignore_merges=True, add_bos=True)
+_names("smollm", "smollm", clean_spaces=False)
+_names("codeshell", "codeshell")
+_names("bloom", "bloom")
+_names("gpt3_finnish", "gpt3-finnish")
+_names("exaone", "exaone")
+_names("gpt2", "exaone4")
+_names("exaone_moe", "exaone-moe")
+_names("chameleon", "chameleon", add_bos=True, clean_spaces=False)
+_names("minerva", "minerva-7b")
+_names("qwen2", "megrez")
+_names("gpt4o", "gpt-4o llama4 kanana2 talkie", clean_spaces=False)
+_names("granite_emb_multi", "granite-embed-multi-97m", clean_spaces=False, ignore_merges=True)
+_names("tiny_aya", "tiny_aya cohere2moe", clean_spaces=False)
+_names("superbpe", "superbpe", clean_spaces=False)
+_names("trillion", "trillion", clean_spaces=False)
+_names("granite_docling", "granite-docling", clean_spaces=False)
+_names("bailingmoe", "bailingmoe bailingmoe2 llada-moe", clean_spaces=False)
+_names("seed_coder", "seed-coder", clean_spaces=False)
+_names("hunyuan", "hunyuan", clean_spaces=False)
+_names("hunyuan_dense", "hunyuan-dense", clean_spaces=False)
+_names("hy_v4", "hy_v4", clean_spaces=False)
+_names("joyai_llm", "joyai-llm", clean_spaces=False)
+_names("kimi_k2", "kimi-k2", clean_spaces=False)
+_names("ufakzeka", "ufakzeka", clean_spaces=False)
+_names("grok_2", "grok-2", clean_spaces=False)
+_names("afmoe", "afmoe", clean_spaces=False)
+_names("laguna", "laguna", clean_spaces=False)
+_names("minimax_m2", "minimax-m2", clean_spaces=False)
+_names("solar_open", "solar-open", clean_spaces=False)
+_names("mellum2", "mellum2")
+# llama.cpp gives "<mask>" lstrip (whitespace before it is dropped) when the name contains one
+# of these.
+_MASK_LSTRIP_PRES = ("jina-v2-de", "jina-v2-es", "jina-v2-code")
+# Every tokenizer.ggml.pre name llama.cpp knows, in the order of its chain.
+PRE_TOKENIZER_NAMES: tuple[str, ...] = tuple(_PRE_NAMES)
+
+# What llama.cpp runs in C++ instead of some of those regexes, as regexes to the same effect:
+# expression -> (regex, how tokenizers' Split keeps the matches).
+_GPT2_EXPR = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+_HAN = (  # unicode_cpt_is_han
+    r"\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{20000}-\x{2A6DF}\x{2A700}-\x{2B73F}"
+    r"\x{2B740}-\x{2B81F}\x{2B820}-\x{2CEAF}\x{2CEB0}-\x{2EBEF}\x{F900}-\x{FAFF}"
+    r"\x{2F800}-\x{2FA1F}"
+)
+# Kimi K2's handler: Han runs, then the other letters as one class (no upper/lower split,
+# marks not included) with an optional contraction, digits by three, and the rest as llama3.
+_KIMI_K2 = (
+    f"[{_HAN}]+|[^\\r\\n\\p{{L}}\\p{{N}}]?[\\p{{L}}&&[^{_HAN}]]+"
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+# AFMoE's digit handler (tiny_aya's digit regex runs it too): a run of digits in groups of
+# three from the right, the first group glued to the text before it (pieces end after each
+# group). Only the first group of a run looks ahead, so this is linear.
+_DIGIT_GROUPS = "(?<!\\p{N})\\p{N}{1,3}(?=(?:\\p{N}{3})*(?!\\p{N}))|\\p{N}{3}"
+# SuperBPE's "(?=(\d{3})+(?!\d))" (a split before every ASCII digit that begins a multiple of
+# three digits running to a non-digit), without its quadratic lookahead: pieces end at those
+# points, after the character before a run of 3k digits, a run's first 1-2 digits, or each
+# group of three that more digits follow.
+_SUPERBPE_DIGITS = (
+    "[^0-9](?=(?:[0-9]{3})+(?![0-9]))|(?<![0-9])[0-9]{1,2}(?=(?:[0-9]{3})+(?![0-9]))"
+    "|[0-9]{3}(?=[0-9])"
+)
+_CUSTOM: dict[str, tuple[str, str]] = {
+    # the GPT-2 handler ends in "|\s+" (whitespace before a non-space)
+    _GPT2_EXPR: (_GPT2_EXPR + "|\\s+", "isolated"),
+    "\\p{Han}+": (_KIMI_K2, "isolated"),
+    "\\p{AFMoE_digits}": (_DIGIT_GROUPS, "merged_with_previous"),
+    "\\d{1,3}(?=(?:\\d{3})*\\b)": (_DIGIT_GROUPS, "merged_with_previous"),
+    "(?=(\\d{3})+(?!\\d))": (_SUPERBPE_DIGITS, "merged_with_previous"),
+}
+# Code points Unicode 16 assigned: llama.cpp's tables (Unicode 15.1) give them no category, so
+# no \p{..} of its regexes matches them (Oniguruma's tables are Unicode 16).
+_UNICODE_16 = (
+    r"\x{897}\x{1B4E}-\x{1B4F}\x{1B7F}\x{1C89}-\x{1C8A}\x{2427}-\x{2429}\x{31E4}-\x{31E5}"
+    r"\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}\x{10D40}-\x{10D65}"
+    r"\x{10D69}-\x{10D85}\x{10D8E}-\x{10D8F}\x{10EC2}-\x{10EC4}\x{10EFC}\x{11380}-\x{11389}"
+    r"\x{1138B}\x{1138E}\x{11390}-\x{113B5}\x{113B7}-\x{113C0}\x{113C2}\x{113C5}"
+    r"\x{113C7}-\x{113CA}\x{113CC}-\x{113D5}\x{113D7}-\x{113D8}\x{113E1}-\x{113E2}"
+    r"\x{116D0}-\x{116E3}\x{11BC0}-\x{11BE1}\x{11BF0}-\x{11BF9}\x{11F5A}\x{13460}-\x{143FA}"
+    r"\x{16100}-\x{16139}\x{16D40}-\x{16D79}\x{18CFF}\x{1CC00}-\x{1CCF9}\x{1CD00}-\x{1CEB3}"
+    r"\x{1E5D0}-\x{1E5FA}\x{1E5FF}\x{1F8B2}-\x{1F8BB}\x{1F8C0}-\x{1F8C1}\x{1FA89}\x{1FA8F}"
+    r"\x{1FABE}\x{1FAC6}\x{1FADC}\x{1FADF}\x{1FAE9}\x{1FBCB}-\x{1FBEF}"
+)
+_CATEGORY = re.compile(r"\\p\{(L[ultmo]?|N|M|P|S)\}")
+# The whitespace llama.cpp replaces by \v before matching a regex (all but ASCII's).
+_WIDE_SPACES = r"\x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}"
+
+
+def _onig(expr: str) -> str:
+    """A llama.cpp regex as Oniguruma (``tokenizers``) must read it to match what llama.cpp
+    matches. llama.cpp matches a copy of the text in which non-ASCII whitespace is \\v, and
+    if the regex has \\p{..} classes, every other character is reduced to its category.
+    So: each \\p{..} leaves out the Unicode 16 code points (llama.cpp's tables are Unicode
+    15.1); \\p{Lu}, \\p{Ll}, \\p{Lt}, \\p{Lm} and \\p{Lo} all mean \\p{L}; a class of
+    characters does not take non-ASCII whitespace however wide its ranges; and ECMAScript's
+    ``$`` is the end of the text, not of a line."""
+    categories = _CATEGORY.search(expr) is not None
+    out: list[str] = []
+    opened: list[int | None] = []  # where each open [...] began in out, if it takes characters
+    i = 0
+    while i < len(expr):
+        c = expr[i]
+        if c == "\\":
+            m = _CATEGORY.match(expr, i)
+            out.append(f"[\\p{{{m[1][0]}}}&&[^{_UNICODE_16}]]" if m else expr[i : i + 2])
+            i = m.end() if m else i + 2
+            continue
+        if c == "[":
+            positive = not opened and not categories and expr[i + 1] != "^"
+            opened.append(len(out) if positive else None)
+        elif c == "]" and opened:
+            start = opened.pop()
+            if start is not None and any(ord(ch) > 0x7F for ch in "".join(out[start:])):
+                c = f"&&[^{_WIDE_SPACES}]]"
+        elif c == "$" and not opened:
+            c = "\\z"
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _split_steps(kind: str) -> list[Any]:
+    """tokenizers pre-tokenizer steps doing what llama.cpp's regexes of ``kind`` do."""
+    steps: list[Any] = []
+    for expr in _PRE_REGEXES[kind]:
+        pattern, behavior = _CUSTOM.get(expr, (expr, "isolated"))
+        steps.append(pre_tokenizers.Split(Regex(_onig(pattern)), behavior=behavior))
+    return steps
+
 
 # Token texts llama.cpp treats as end-of-generation whatever their declared type.
 _EOG_TEXTS = (
@@ -138,6 +489,21 @@ _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|
 _NORMAL_S_MARKERS = ("<|tool_response>", "<|plamo:eos|>")
 # Gemma 4's pre-tokenizer: runs of newlines apart from the rest.
 _NEWLINE_RUNS = re.compile(r"[^\n]+|\n+")
+# C's isspace: what an lstrip token strips.
+_C_SPACE = " \t\n\v\f\r"
+
+
+class _Lowercase(dict[int, str]):
+    """str.translate table of llama.cpp's unicode_tolower: one code point for one (a simple
+    case mapping: no final sigma, U+0130 to "i"), filled as characters are seen."""
+
+    def __missing__(self, cpt: int) -> str:
+        lower = chr(cpt).lower()
+        self[cpt] = value = lower if len(lower) == 1 else lower[0]
+        return value
+
+
+_LOWERCASE = _Lowercase()
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -230,6 +596,7 @@ class Tokenizer:
         add_bos: bool | None = None,
         add_eos: bool | None = None,
         add_space_prefix: bool | None = None,
+        lowercase: bool | None = None,
     ) -> None:
         n = len(tokens)
         if n == 0:
@@ -261,26 +628,41 @@ class Tokenizer:
         bos_default: int | None
         eos_default: int | None
         unk_default: int | None
+        spec: _PreTokenizer | None = None
         if model == "llama":
             self.pre = "default"
             bos_default, eos_default, unk_default = 1, 2, 0
             add_bos_default, space_prefix_default = True, True
-            ignore_merges = False
-        elif model == "gpt2":
-            self.pre = pre or "default"
-            if self.pre not in _PRE_TYPES:
-                raise TokenizerError(f"unsupported pre-tokenizer {self.pre!r}")
-            family, ignore_merges, add_bos_default = _PRE_TYPES[self.pre]
-            bos_default = eos_default = 11
-            unk_default = None
-            space_prefix_default = False
-        elif model == "gemma4":
-            # Gemma 4: a BPE over raw UTF-8 with SentencePiece's escaped spaces; llama.cpp
-            # always adds its BOS
-            self.pre = "gemma4"
-            bos_default = eos_default = unk_default = None
-            add_bos_default, space_prefix_default = True, False
-            add_bos = True
+        elif model in ("gpt2", "whitespace", "gemma4"):
+            # BPE vocabularies: byte-level, or raw UTF-8 (gemma4, and the whitespace-split
+            # vocabularies of jina-embeddings-v2-base-zh). llama.cpp reads no pre-tokenizer
+            # name from a gemma4 file.
+            if model == "gemma4":
+                self.pre = "gemma4"
+            elif pre:
+                self.pre = pre
+            else:
+                log.warning(
+                    "pre_tokenizer_missing",
+                    using="default",
+                    detail="tokenizer.ggml.pre is missing or empty: generation quality may "
+                    "suffer; regenerate the GGUF with a recent llama.cpp converter",
+                )
+                self.pre = "default"
+            spec = _PRE_NAMES.get(self.pre)
+            if spec is None:
+                raise TokenizerError(
+                    f"unknown pre-tokenizer type {self.pre!r} (llama.cpp refuses it too; the "
+                    "names it knows are listed in docs/tokenizers.md and in "
+                    "lmserve_core.tokenizer.PRE_TOKENIZER_NAMES)"
+                )
+            add_bos_default, space_prefix_default = spec.add_bos, False
+            if model == "gemma4":
+                bos_default = eos_default = unk_default = None
+            else:
+                bos_default, eos_default, unk_default = 11 if spec.bos else None, 11, None
+            if merges is None and spec.type == "kimi_k2":
+                merges = []  # llama.cpp loads Kimi K2's vocabulary without merges
         else:
             raise TokenizerError(f"unsupported tokenizer model {model!r}")
 
@@ -289,10 +671,24 @@ class Tokenizer:
         self.eos_id = in_range(eos_id) if in_range(eos_id) is not None else in_range(eos_default)
         self.unk_id = in_range(unk_id) if in_range(unk_id) is not None else in_range(unk_default)
         self.add_bos = add_bos_default if add_bos is None else bool(add_bos)
+        if spec is not None and spec.type == "gemma4":
+            self.add_bos = True  # llama.cpp overrides the file for Gemma 4's pre-tokenizer
         self.add_eos = False if add_eos is None else bool(add_eos)
-        # Only SentencePiece vocabularies prepend a space.
-        self.add_space_prefix = model == "llama" and (
+        # Only SentencePiece vocabularies prepend a space; decode() removes it (whatever the
+        # model, as llama_detokenize does).
+        self.add_space_prefix = (
             space_prefix_default if add_space_prefix is None else bool(add_space_prefix)
+        )
+        # llama_detokenize's clean-up of spaces before punctuation (decode(clean_spaces=True))
+        # and llama.cpp's add_sep, as llama.cpp sets them for this vocabulary.
+        self.clean_spaces = spec.clean_spaces if spec is not None else False
+        self.add_sep = spec.add_sep if spec is not None else False
+        self._escape = spec is not None and spec.escape_whitespaces
+        self._byte_level = spec is not None and spec.type not in _RAW_UTF8
+        self._newline_tokens = spec is not None and spec.type == "gemma4"
+        # The whitespace model lowercases unless told not to; its own pre-tokenizer says not to.
+        self._lowercase = model == "whitespace" and (
+            self.pre != "whitespace" if lowercase is None else bool(lowercase)
         )
         if self.add_bos and self.bos_id is None:
             raise TokenizerError("add_bos_token is true but there is no BOS token")
@@ -314,6 +710,9 @@ class Tokenizer:
             if text in vocab:
                 types[vocab[text]] = TokenType.USER_DEFINED
         self.eog_ids: frozenset[int] = frozenset(eog)
+        # Tokens that take the whitespace before them when split out (llama.cpp's lstrip).
+        lstrip = isinstance(pre, str) and any(name in pre for name in _MASK_LSTRIP_PRES)
+        self._lstrip = frozenset([vocab["<mask>"]] if lstrip and "<mask>" in vocab else [])
 
         # Split-out tokens, longest first as llama.cpp orders them.
         special = [
@@ -327,16 +726,16 @@ class Tokenizer:
             [(texts[i], i) for i in special if types[i] == TokenType.USER_DEFINED]
         )
 
-        if model == "llama":
+        if spec is None:
             self._hf = _build_spm(texts, vocab, scores, self.unk_id)
         elif merges is None:
             raise TokenizerError(f"a {model} (BPE) vocabulary needs tokenizer.ggml.merges")
-        elif model == "gemma4":
-            self._hf = HFTokenizer(
-                models.BPE(vocab=vocab, merges=_merge_pairs(vocab, merges), byte_fallback=True)
-            )
         else:
-            self._hf = _build_bpe(vocab, merges, _PRE_REGEXES[family], ignore_merges)
+            steps = _split_steps(spec.type)
+            if model == "whitespace":
+                # llama.cpp's whitespace session: words between whitespace, which is dropped
+                steps.insert(0, pre_tokenizers.Split(Regex(r"\s+"), behavior="removed"))
+            self._hf = _build_bpe(vocab, merges, steps, spec.ignore_merges, self._byte_level)
         self._lookup = self._hf.token_to_id
 
     # -- construction -------------------------------------------------------------------------
@@ -385,6 +784,9 @@ class Tokenizer:
             v = g(key)
             return bool(v) if isinstance(v, bool | int) else None
 
+        pre = g("tokenizer.ggml.pre")
+        if pre is not None and not isinstance(pre, str):
+            raise TokenizerError(f"{gguf_file.path}: tokenizer.ggml.pre is not a string")
         try:
             return cls(
                 model=model,
@@ -392,7 +794,7 @@ class Tokenizer:
                 token_types=g("tokenizer.ggml.token_type"),
                 scores=g("tokenizer.ggml.scores"),
                 merges=g("tokenizer.ggml.merges"),
-                pre=g("tokenizer.ggml.pre"),
+                pre=pre,
                 bos_id=opt_int("tokenizer.ggml.bos_token_id"),
                 eos_id=opt_int("tokenizer.ggml.eos_token_id"),
                 eot_id=opt_int("tokenizer.ggml.eot_token_id"),
@@ -401,6 +803,7 @@ class Tokenizer:
                 add_bos=opt_bool("tokenizer.ggml.add_bos_token"),
                 add_eos=opt_bool("tokenizer.ggml.add_eos_token"),
                 add_space_prefix=opt_bool("tokenizer.ggml.add_space_prefix"),
+                lowercase=opt_bool("tokenizer.ggml.normalizer.lowercase"),
             )
         except TokenizerError as exc:
             raise TokenizerError(f"{gguf_file.path}: {exc}") from None
@@ -457,9 +860,13 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", "\u2581")
-            if self.model == "gemma4":
-                # split at newline runs; a run that is a token of its own is that token
-                for word in _NEWLINE_RUNS.findall(frag.replace(" ", "\u2581")):
+            elif self._escape:
+                frag = frag.replace(" ", "\u2581")
+            elif self._lowercase:
+                frag = frag.translate(_LOWERCASE)
+            if self._newline_tokens:
+                # Gemma 4: split at newline runs; a run that is a token of its own is that token
+                for word in _NEWLINE_RUNS.findall(frag):
                     tid = self._lookup(word) if word[0] == "\n" else None
                     if tid is not None:
                         out.append(tid)
@@ -525,6 +932,8 @@ class Tokenizer:
                 for k, part in enumerate(parts):
                     if k:
                         nxt.append(tid)
+                    if tid in self._lstrip and k < len(parts) - 1:
+                        part = part.rstrip(_C_SPACE)
                     if part:
                         nxt.append(part)
             frags = nxt
@@ -547,18 +956,27 @@ class Tokenizer:
             return bytes([int(text[3:5], 16)])
         if kind != TokenType.NORMAL:
             return b""  # unused/undefined tokens print nothing in llama.cpp
-        if self.model in ("llama", "gemma4"):
+        if self.model == "llama" or self._escape:
             return text.replace("\u2581", " ").encode("utf-8")
+        if not self._byte_level:
+            # (llama.cpp would read GPT-2 byte characters here and garble the text)
+            return text.encode("utf-8")
         try:
             return bytes(_BYTE_DECODER[c] for c in text)
         except KeyError:
             return text.encode("utf-8")
 
-    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+    def decode(
+        self, ids: Iterable[int], *, skip_special: bool = False, clean_spaces: bool = False
+    ) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD.
 
-        As in llama.cpp, the space a SentencePiece vocabulary puts in front of the text is
-        removed from the first token, unless that token is a BOS dropped by ``skip_special``.
+        As in llama.cpp, the space a SentencePiece vocabulary (or any with add_space_prefix)
+        puts in front of the text is removed from the first token, unless that token is a
+        BOS dropped by ``skip_special``.
+        ``clean_spaces`` applies llama_detokenize's clean-up (" ." to ".", " 's" to "'s", ...)
+        where llama.cpp does it for this vocabulary (:attr:`clean_spaces`); the text no longer
+        tokenizes back to ``ids`` then.
         """
         ids = list(ids)
         strip_space = self.add_space_prefix
@@ -573,7 +991,10 @@ class Tokenizer:
             if n == 0 and strip_space and piece.startswith(b" "):
                 piece = piece[1:]
             parts.append(piece)
-        return b"".join(parts).decode("utf-8", errors="replace")
+        text = b"".join(parts)
+        if clean_spaces and self.clean_spaces:
+            text = _clean_up_spaces(text)
+        return text.decode("utf-8", errors="replace")
 
     def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
         """A decoder for one generated sequence (see :class:`StreamDecoder`)."""
@@ -588,6 +1009,42 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size})"
+
+
+def _clean_up_spaces(text: bytes) -> bytes:
+    """llama_detokenize's three clean-up passes (clean_up_tokenization_spaces), in place on
+    the bytes as llama.cpp runs them."""
+    buf = bytearray(text)
+    # a space before ? ! . , goes
+    n, total = len(buf), min(len(buf), 1)
+    for i in range(1, n):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x in b"?!.,":
+            total -= 1
+        buf[total] = x
+        total += 1
+    # " ' " becomes "'"
+    n, total, i = total, min(total, 1), 1
+    while i < n:
+        x = buf[i]
+        if x == 0x27 and i + 1 < n and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
+            total -= 1
+            i += 1
+            buf[i] = 0
+        buf[total] = x
+        total += 1
+        i += 1
+    # " 's" " 'm" " 're" " 've" lose the space
+    n, total = total, min(total, 1)
+    for i in range(1, n):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            after = bytes(buf[i + 1 : min(i + 3, n)])
+            if after[:1] in (b"s", b"m") or after in (b"re", b"ve"):
+                total -= 1
+        buf[total] = x
+        total += 1
+    return bytes(buf[:total])
 
 
 def _merge_pairs(vocab: dict[str, int], merge_lines: Sequence[str]) -> list[tuple[str, str]]:
@@ -612,13 +1069,21 @@ def _merge_pairs(vocab: dict[str, int], merge_lines: Sequence[str]) -> list[tupl
 
 
 def _build_bpe(
-    vocab: dict[str, int], merge_lines: Sequence[str], regexes: list[str], ignore_merges: bool
+    vocab: dict[str, int],
+    merge_lines: Sequence[str],
+    steps: list[Any],
+    ignore_merges: bool,
+    byte_level: bool,
 ) -> HFTokenizer:
+    """A BPE after the pre-tokenizer ``steps``: over GPT-2's byte characters, or over raw
+    UTF-8 with ``<0xXX>`` tokens for what no token spells."""
     merges = _merge_pairs(vocab, merge_lines)
-    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
+    model = models.BPE(
+        vocab=vocab, merges=merges, ignore_merges=ignore_merges, byte_fallback=not byte_level
+    )
     tok = HFTokenizer(model)
-    steps: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    if byte_level:
+        steps = [*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return tok
 

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,18 +213,29 @@ def family_vocab(family: str) -> BPEVocab:
     return load_bpe_vocab(tokenizer_dir(spec.tokenizer), spec.vocab_size, spec.config_ids)
 
 
-def write_vocab_gguf(path: Path, family: str) -> Path:
-    """A GGUF with the ``family`` tokenizer and no tensors (llama.cpp's --vocab-only kind)."""
-    spec = FAMILIES[family]
-    writer = GGUFWriter(str(path), spec.arch)
+def write_vocab_only(
+    path: Path, arch: str, name: str, add_tokenizer: Callable[[GGUFWriter], None]
+) -> Path:
+    """A GGUF with no tensors (llama.cpp's --vocab-only kind): the architecture, type and
+    name, and what ``add_tokenizer`` writes."""
+    writer = GGUFWriter(str(path), arch)
     writer.add_type("vocab")
-    writer.add_name(f"{family} vocabulary")
-    add_bpe_tokenizer(writer, family_vocab(family), spec.pre)
+    writer.add_name(name)
+    add_tokenizer(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
     return path
+
+
+def write_vocab_gguf(path: Path, family: str) -> Path:
+    """A GGUF with the ``family`` tokenizer and no tensors (llama.cpp's --vocab-only kind)."""
+    spec = FAMILIES[family]
+    vocab = family_vocab(family)
+    return write_vocab_only(
+        path, spec.arch, f"{family} vocabulary", lambda w: add_bpe_tokenizer(w, vocab, spec.pre)
+    )
 
 
 def vocab_gguf(family: str) -> Path:
