@@ -296,22 +296,26 @@ def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str
                     results[name][workload].append(run)
     print(f"\n{path.name}: single-stream greedy decode, median tok/s over {rounds} round(s) "
           "(median ratio to plain)")
-    print("| workload | " + " | ".join(variants) + " | identical replies |")
-    print("|---" * (len(variants) + 2) + "|")
+    others = [name for name in variants if name != "plain"]
+    print("| workload | " + " | ".join(variants) + " | identical replies | "
+          + " | ".join(f"{name} each round" for name in others) + " |")
+    print("|---" * (len(variants) + 2 + len(others)) + "|")
     for workload in SPEC_WORKLOADS:
         base = results["plain"][workload]
-        cells = []
+        cells, rounds_ = [], []
         for name in variants:
             runs = results[name][workload]
             rate = statistics.median(r["decode_tok_s"] for r in runs)
-            ratio = statistics.median(
+            ratios = [
                 r["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
                 for r, b in zip(runs, base, strict=True)
-            )
-            cells.append(f"{rate:.1f} ({ratio:.2f}x)")
+            ]
+            cells.append(f"{rate:.1f} ({statistics.median(ratios):.2f}x)")
+            if name != "plain":
+                rounds_.append(" ".join(f"{x:.2f}" for x in ratios))
         same = all(r["text"] == base[0]["text"] for n in variants for r in results[n][workload])
         print(f"| {workload} ({base[0]['tokens']} tokens) | " + " | ".join(cells)
-              + f" | {'yes' if same else 'NO'} |", flush=True)
+              + f" | {'yes' if same else 'NO'} | " + " | ".join(rounds_) + " |", flush=True)
 
 
 def lmserve_cmd(path: Path, port: int, threads: int, batch: int) -> list[str]:
