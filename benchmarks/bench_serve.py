@@ -270,48 +270,86 @@ async def run_spec_workload(url: str, workload: dict[str, Any], max_tokens: int
     }
 
 
+def spec_events(log: Path) -> tuple[dict[str, Any] | None, float | None]:
+    """The last ``speculation`` event of a server's JSON log, and the row cost it calibrated
+    at start-up (None when it logged none)."""
+    events = [json.loads(line) for line in log.read_text(errors="replace").splitlines()
+              if line.startswith("{")]
+    spec = [e for e in events if e.get("event") == "speculation"]
+    calibrated = [e["row_cost"] for e in events if e.get("event") == "spec_calibration"]
+    return (spec[-1] if spec else None), (calibrated[0] if calibrated else None)
+
+
 def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str | None,
-               rounds: int) -> None:
+               rounds: int, row_cost: float | None) -> None:
     """Single-stream greedy decode with and without speculative decoding: the servers run
-    side by side and take each workload in turns, round after round, so that the machine's
-    noise falls on both; the ratio is the median of the rounds' ratios."""
+    side by side and take each workload in turns (the order turning each round), round
+    after round, so that the machine's noise falls on all; the ratio is the median of the
+    rounds' ratios. The decode passes each run took are read from the servers' logs too:
+    on a busy machine the tokens a run keeps per pass, and the steps its passes cost at the
+    row cost the server calibrated (or ``row_cost``), say what the drafting did when the
+    ratio of two runs' rates says mostly what else ran."""
     variants: dict[str, list[str]] = {"plain": [], "--spec": ["--spec"]}
     if draft:
         variants["--spec-draft"] = ["--spec-draft", draft]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         name: {w: [] for w in SPEC_WORKLOADS} for name in variants
     }
+    calibrated: dict[str, float | None] = {}
     with contextlib.ExitStack() as stack:
-        urls = {}
+        urls, server_logs = {}, {}
         for name, extra in variants.items():
             port = free_port()
-            cmd = lmserve_cmd(path, port, threads, 1) + extra
-            log = logs / f"spec-{path.stem}-{name.strip('-')}.log"
-            urls[name] = stack.enter_context(serving(cmd, port, log))
+            cmd = lmserve_cmd(path, port, threads, 1) + extra + [
+                "--log-level", "info", "--log-format", "json"]
+            server_logs[name] = logs / f"spec-{path.stem}-{name.strip('-')}.log"
+            urls[name] = stack.enter_context(serving(cmd, port, server_logs[name]))
             asyncio.run(run_chats(urls[name], 1, 8))
-        for _ in range(rounds):
+        names = list(variants)
+        for round_ in range(rounds):
+            order = names[round_ % len(names):] + names[: round_ % len(names)]
             for workload, spec in SPEC_WORKLOADS.items():
-                for name, url in urls.items():
-                    run = asyncio.run(run_spec_workload(url, spec, max_tokens))
+                for name in order:
+                    run = asyncio.run(run_spec_workload(urls[name], spec, max_tokens))
+                    run["spec"], calibrated[name] = spec_events(server_logs[name])
                     results[name][workload].append(run)
     print(f"\n{path.name}: single-stream greedy decode, median tok/s over {rounds} round(s) "
           "(median ratio to plain)")
-    print("| workload | " + " | ".join(variants) + " | identical replies |")
-    print("|---" * (len(variants) + 2) + "|")
+    others = names[1:]
+    print("| workload | " + " | ".join(variants) + " | identical replies | "
+          + " | ".join(f"{name} each round" for name in others) + " |")
+    print("|---" * (len(variants) + 2 + len(others)) + "|")
     for workload in SPEC_WORKLOADS:
         base = results["plain"][workload]
-        cells = []
+        cells, rounds_ = [], []
         for name in variants:
             runs = results[name][workload]
             rate = statistics.median(r["decode_tok_s"] for r in runs)
-            ratio = statistics.median(
+            ratios = [
                 r["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
                 for r, b in zip(runs, base, strict=True)
-            )
-            cells.append(f"{rate:.1f} ({ratio:.2f}x)")
+            ]
+            cells.append(f"{rate:.1f} ({statistics.median(ratios):.2f}x)")
+            if name != "plain":
+                rounds_.append(" ".join(f"{x:.2f}" for x in ratios))
         same = all(r["text"] == base[0]["text"] for n in variants for r in results[n][workload])
         print(f"| {workload} ({base[0]['tokens']} tokens) | " + " | ".join(cells)
-              + f" | {'yes' if same else 'NO'} |", flush=True)
+              + f" | {'yes' if same else 'NO'} | " + " | ".join(rounds_) + " |", flush=True)
+    for name in others:
+        row = row_cost if row_cost is not None else calibrated.get(name) or 0.25
+        print(f"\n{name}, each round: drafts accepted / verified, and the decode steps of "
+              f"plain decoding per step its passes cost at a row cost of {row:.2f} "
+              "(tokens / (tokens - accepted + row x verified))")
+        for workload in SPEC_WORKLOADS:
+            cells = []
+            for r in results[name][workload]:
+                event, n = r["spec"], r["tokens"]
+                if event is None:
+                    cells.append("-")
+                    continue
+                got, tried = event["accepted"], event["proposed"]
+                cells.append(f"{got}/{tried} {n / (n - got + row * tried):.2f}x")
+            print(f"- {workload}: " + ", ".join(cells), flush=True)
 
 
 def lmserve_cmd(path: Path, port: int, threads: int, batch: int) -> list[str]:
@@ -347,13 +385,16 @@ def main() -> None:
     parser.add_argument("--spec", action="store_true",
                         help="measure speculative decoding (single stream) instead")
     parser.add_argument("--spec-draft", help="also measure --spec-draft with this GGUF")
+    parser.add_argument("--row-cost", type=float,
+                        help="--spec: the row cost to count steps at (default: the server's "
+                        "calibration)")
     args = parser.parse_args()
     if args.spec or args.spec_draft:
         print(f"CPU: {cpu_model()}, {args.threads} threads", flush=True)
         logs = Path(tempfile.mkdtemp(prefix="bench-spec-"))
         for name in [n.strip() for n in args.models.split(",") if n.strip()]:
             bench_spec(model_path(name), args.threads, max(args.max_tokens, 256), logs,
-                       args.spec_draft, args.rounds)
+                       args.spec_draft, args.rounds, args.row_cost)
         return
     concurrency = [int(n) for n in args.concurrency.split(",")]
     batch = max(4, *concurrency)

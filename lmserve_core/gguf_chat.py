@@ -57,6 +57,7 @@ from .sampling import Sampler, resolve
 from .speculative import (
     FORCED,
     MAX_DRAFT,
+    Acceptance,
     Drafter,
     DraftModel,
     DraftSource,
@@ -222,7 +223,12 @@ class GGUFChatBackend:
         self._grammar_lock = threading.Lock()
         self._prefill_slice = 2 * PREFILL_MIN_SLICE  # prompt tokens read per shared step
         self.drafts = self._draft_source(settings)
-        self.verify_cost = VerifyCost()  # learnt from the passes of generations that speculate
+        # what verify rows cost (calibrated here, checked by the passes of generations that
+        # speculate) and how each kind of draft fares, for every generation's Pace
+        self.verify_cost = VerifyCost()
+        self.acceptance = Acceptance()
+        if self.drafts is not None:
+            self._calibrate()
 
     def _disk_tier(self, gguf: GGUFFile, settings: ServerSettings) -> DiskTier | None:
         """The KV disk tier under ``kv_cache_dir``, for this model and cache layout."""
@@ -280,6 +286,20 @@ class GGUFChatBackend:
             )
         self.batch_size = min(self.batch_size, plan.slots)
         return plan.slots
+
+    def _calibrate(self) -> None:
+        """Measure what a verify row costs on this machine (``VerifyCost.calibrate``);
+        without it, the generations' own passes tell."""
+        started = time.perf_counter()
+        try:
+            row = self.verify_cost.calibrate(self.model)
+        except Exception:  # a model that cannot run the calibration still speculates
+            log.exception("spec_calibration_failed", model=self.model_id)
+            return
+        log.info(
+            "spec_calibration", model=self.model_id, row_cost=round(row, 3),
+            seconds=round(time.perf_counter() - started, 2),
+        )
 
     def _draft_source(self, settings: ServerSettings) -> DraftSource | None:
         """Speculative decoding's drafts: a draft model (``spec_draft``, a GGUF path), the
@@ -638,7 +658,8 @@ class GGUFChatBackend:
             gen.bits = np.empty(n_words, dtype=np.int32)
         gen.budget_close = self._budget_close(request, gen.out)
         if self.drafts is not None:
-            gen.drafter, gen.pace = self.drafts.drafter(), Pace(self.verify_cost)
+            gen.drafter = self.drafts.drafter()
+            gen.pace = Pace(self.verify_cost, self.acceptance)
         return gen
 
     def step(self, gens: Sequence[Generation]) -> None:

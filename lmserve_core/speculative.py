@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -71,22 +72,60 @@ class DraftSource(Protocol):
 
 
 class VerifyCost:
-    """What one more row of a verify pass costs on this machine and model, as a fraction of
-    a plain decode step: over the last ``WINDOW`` verify passes, the median of the time each
-    took beyond a one-row pass, per further row, over the median of the last ``WINDOW``
-    one-row passes. Medians, because a pass that something else on the machine delayed must
-    not move the estimate: a cost read too high stops the drafting whose passes would
-    correct it. Until ``MIN_PASSES`` verify passes have been timed against one-row ones, the
-    prior ``Pace.VERIFY_ROW_COST`` stands."""
+    """What a verify pass of ``1 + k`` rows costs on this machine and model, in plain decode
+    steps: ``1 + row * k``.
+
+    ``row`` rests on a calibration (:meth:`calibrate`, at start-up), in which each verify
+    pass is read against the one-row passes either side of it. Live passes only raise it
+    (a long context, a machine whose further rows cost more under load): each verify pass
+    is read against the one-row passes among the ``RECENT`` passes before it (their
+    median; ``MIN_STEPS`` of them at least, else it is not read), and ``row`` is the larger
+    of the calibration and the median of the readings among the last ``AGE`` passes (the
+    last ``WINDOW`` of them, ``MIN_PASSES`` at least). A pass read against passes of its own
+    moment, a slow spell of the machine reads neither as cheap rows nor as dear ones; a few
+    passes that something else held up move no median; and readings age, so that one that
+    nothing corrects (no drafting, hence no readings) does not outlive ``AGE`` passes.
+    Without a calibration the live passes stand alone, and ``Pace.VERIFY_ROW_COST`` while
+    there are too few. Readings are clamped to ``[ROW_MIN, ROW_MAX]``."""
 
     WINDOW = 15
     MIN_PASSES = 5
+    RECENT = 6
+    MIN_STEPS = 2
+    AGE = 256
+    ROW_MIN = 0.1
+    ROW_MAX = 1.5
+    # calibration: the verify passes' sizes, the context they follow, how many are read
+    CALIBRATION_ROWS = (1 + MAX_DRAFT, 4)
+    CALIBRATION_CONTEXT = 64
+    CALIBRATION_PASSES = (10, 40)  # at least, at most (while within the time asked for)
 
-    def __init__(self) -> None:
-        self.row = Pace.VERIFY_ROW_COST
+    def __init__(self, calibrated: float | None = None) -> None:
+        self.calibrated = None if calibrated is None else self._clamp(calibrated)
         self.passes = 0
-        self._steps: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
-        self._extras: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        # (pass number, seconds) of the last one-row passes; (pass number, reading) of the
+        # last verify passes compared with them
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.RECENT)
+        self._ratios: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOW)
+
+    @classmethod
+    def _clamp(cls, row: float) -> float:
+        return min(max(row, cls.ROW_MIN), cls.ROW_MAX)
+
+    @property
+    def measured(self) -> float | None:
+        """The live passes' reading, or None while there are too few."""
+        ratios = [r for n, r in self._ratios if n > self.passes - self.AGE]
+        if len(ratios) < self.MIN_PASSES:
+            return None
+        return self._clamp(statistics.median(ratios))
+
+    @property
+    def row(self) -> float:
+        measured = self.measured
+        if self.calibrated is None:
+            return Pace.VERIFY_ROW_COST if measured is None else measured
+        return self.calibrated if measured is None else max(self.calibrated, measured)
 
     def observe(self, rows: int, seconds: float) -> None:
         """Record one pass of ``rows`` rows (the sampled token and its drafts) that took
@@ -95,22 +134,92 @@ class VerifyCost:
             return
         self.passes += 1
         if rows == 1:
-            self._steps.append(seconds)
+            self._steps.append((self.passes, seconds))
             return
-        if not self._steps:
+        recent = [t for n, t in self._steps if n >= self.passes - self.RECENT]
+        if len(recent) < self.MIN_STEPS:
             return
-        step = statistics.median(self._steps)
-        self._extras.append((seconds - step) / (rows - 1))
-        if len(self._extras) >= self.MIN_PASSES:
-            self.row = min(max(statistics.median(self._extras) / step, 0.05), 1.5)
+        ratio = (seconds / statistics.median(recent) - 1.0) / (rows - 1)
+        self._ratios.append((self.passes, ratio))
+
+    def calibrate(self, model: ForwardModel, seconds: float = 0.5) -> float:
+        """Measure ``row`` on ``model``, on a cache of its own, for about ``seconds``: verify
+        passes of each of ``CALIBRATION_ROWS`` rows in turn after ``CALIBRATION_CONTEXT``
+        positions, each between two one-row passes and read against their mean; the median
+        of the readings (``CALIBRATION_PASSES``: at least, at most). Passes read against
+        their neighbours, because on a busy machine no pass of a size is spared for sure: the
+        quickest of each size may come from moments apart. Returns the calibration."""
+        sizes = self.CALIBRATION_ROWS
+        n_ctx = self.CALIBRATION_CONTEXT
+        tokens = [(1000 + 37 * i) % model.n_vocab for i in range(n_ctx)]
+        cache = model.new_cache(n_ctx + max(sizes))
+        rewind = not cache.kind.truncate  # a recurrent state goes back to the context
+
+        def timed(n: int) -> float:
+            if rewind:
+                cache.mark()  # type: ignore[attr-defined]
+            began = time.perf_counter()
+            model.forward(cache, tokens[:n], n_ctx, all_logits=True)
+            took = time.perf_counter() - began
+            if rewind:
+                cache.rewind()  # type: ignore[attr-defined]
+            return took
+
+        readings: list[float] = []
+        try:
+            model.forward(cache, tokens, 0)
+            for n in sizes:
+                timed(n)  # a warm-up
+            least, most = self.CALIBRATION_PASSES
+            started = time.perf_counter()
+            before = timed(1)
+            while len(readings) < least or (
+                len(readings) < most and time.perf_counter() - started < seconds
+            ):
+                n = sizes[len(readings) % len(sizes)]
+                took = timed(n)
+                after = timed(1)
+                readings.append((2.0 * took / (before + after) - 1.0) / (n - 1))
+                before = after
+        finally:
+            close = getattr(cache, "close", None)
+            if callable(close):
+                close()
+        self.calibrated = self._clamp(statistics.median(readings))
+        return self.calibrated
+
+
+class Acceptance:
+    """How the drafts of each kind of evidence fared over the recent passes of every
+    generation of a backend (from ``Pace.PRIOR``, decaying by ``DECAY`` a pass of that
+    kind): where a new generation's estimates start, instead of learning each kind again
+    from a guess."""
+
+    DECAY = 0.9
+
+    def __init__(self) -> None:
+        self._kinds: dict[int | None, tuple[float, float]] = {}
+
+    def rate(self, evidence: int | None = None) -> float | None:
+        """The chance that a draft of this kind is accepted; None before any was tried."""
+        kind = self._kinds.get(evidence)
+        return None if kind is None else kind[0] / kind[1]
+
+    def update(self, evidence: int | None, accepted: int, missed: int) -> None:
+        prior = (Pace.PRIOR * Pace.PRIOR_WEIGHT, Pace.PRIOR_WEIGHT)
+        hits, trials = self._kinds.get(evidence, prior)
+        self._kinds[evidence] = (
+            self.DECAY * hits + accepted, self.DECAY * trials + accepted + missed
+        )
 
 
 class _Rate:
     """A decaying estimate of the chance that a draft is accepted."""
 
-    def __init__(self, hits: float, trials: float) -> None:
-        self.hits, self.trials = hits, trials
+    def __init__(self, value: float, weight: float) -> None:
+        self.hits, self.trials = value * weight, weight
         self.paused = 0
+        self.pauses = 0  # pauses with no draft accepted since (each twice as long)
         self.probe = False  # the pause is over: verify one draft whatever the estimates
 
     @property
@@ -121,34 +230,52 @@ class _Rate:
 class Pace:
     """How many drafts one generation tries next.
 
-    A verify pass of ``1 + k`` rows costs about ``1 + c * k`` decode steps, ``c`` the
-    backend's :class:`VerifyCost` (the products are compute-bound at these sizes: 0.25 to
-    0.5 on two threads, depending on the model), and with each draft accepted with
-    probability ``a`` it yields ``1 + a + ... + a^k`` tokens.
-    ``a`` is estimated from the generation's recent passes (an accepted draft is a hit, the
-    rejected one a miss, decaying), separately for each kind of ``evidence`` a proposal
-    comes with: a lookup that matched eight tokens of context is right far more often than
-    one that matched two. ``k`` maximises tokens per cost. When no ``k`` beats plain
-    decoding for a kind, proposals of that kind are skipped for its next ``PAUSE_TOKENS``
-    chances, then tried again from an even estimate, with one draft at least: were the
-    estimates wrong (the cost read while the machine was busy), only passes that verify
-    something can correct them.
+    A verify pass of ``1 + k`` rows costs ``1 + c * k`` decode steps, ``c`` the backend's
+    :class:`VerifyCost`, and with each draft accepted with probability ``a`` it yields
+    ``1 + a + ... + a^k`` tokens. ``a`` is estimated from the generation's recent passes
+    (an accepted draft is a hit, the rejected one a miss, decaying by ``DECAY`` a pass),
+    separately for each kind of ``evidence`` a proposal comes with: a lookup that matched
+    eight tokens of context is right far more often than one that matched two. A kind's
+    estimate starts from what the backend's recent generations found for it
+    (:class:`Acceptance`, worth ``PRIOR_WEIGHT`` drafts; ``PRIOR`` before any), so that a
+    new generation does not pay again for what the last one learnt.
+
+    ``k`` maximises tokens per cost, and must beat plain decoding by ``MARGIN``: a pass
+    that would gain less is within the error of the estimates, and a wrong guess there
+    costs more than a right one gains. When no ``k`` does for a kind, proposals of that
+    kind are skipped for a while, then the kind starts again from the backend's estimate,
+    with one draft at least (a probe: were the estimates wrong, only passes that verify
+    something can correct them). The pause is ``SHORT_PAUSE`` chances when the backend's
+    estimate pays (a bad spell of this generation: a quoted text left for a while),
+    ``PAUSE_TOKENS`` when it does not (free text, whose lookups are mostly refused), and
+    twice as long after each pause that no accepted draft followed, up to
+    ``MAX_DOUBLINGS`` times: drafts refused again and again are probed ever more rarely.
     """
 
     VERIFY_ROW_COST = 0.4
     PAUSE_TOKENS = 16
+    MAX_DOUBLINGS = 3
+    SHORT_PAUSE = 4
     DECAY = 0.7
+    PRIOR = 0.8  # before any draft of a kind was tried: try at once
+    PRIOR_WEIGHT = 2.0
+    MARGIN = 0.1
 
-    def __init__(self, cost: VerifyCost | None = None) -> None:
+    def __init__(self, cost: VerifyCost | None = None, shared: Acceptance | None = None) -> None:
         self.proposed = 0
         self.accepted = 0
         self.cost = cost if cost is not None else VerifyCost()  # a fresh one: the prior
+        self.shared = shared if shared is not None else Acceptance()
         self._rates: dict[int | None, _Rate] = {}
+
+    def _prior(self, evidence: int | None) -> float:
+        rate = self.shared.rate(evidence)
+        return self.PRIOR if rate is None else rate
 
     def _rate(self, evidence: int | None) -> _Rate:
         rate = self._rates.get(evidence)
         if rate is None:
-            rate = self._rates[evidence] = _Rate(4.0, 5.0)  # a prior of 0.8: try at once
+            rate = self._rates[evidence] = _Rate(self._prior(evidence), self.PRIOR_WEIGHT)
         return rate
 
     def rate(self, evidence: int | None = None) -> float:
@@ -163,20 +290,29 @@ class Pace:
             rate.probe = rate.paused == 0
             return 0
         k = self.best(rate.value, min(most, MAX_DRAFT), self.cost.row)
-        if k == 0 and rate.probe and most > 0:
-            k = 1  # its pass refreshes the rate and the cost, right or wrong as they were
-        rate.probe = False
-        if k == 0 and most > 0:
-            rate.paused = self.PAUSE_TOKENS
-            rate.hits, rate.trials = 1.0, 2.0
-        return k
+        probe, rate.probe = rate.probe, False
+        if k > 0 or most <= 0:
+            return k
+        if probe:
+            return 1  # its pass refreshes the rate and the cost, right or wrong as they were
+        # a pause: short when the backend's estimate pays (a bad spell of this generation's)
+        prior = self._prior(evidence)
+        short = self.best(prior, min(most, MAX_DRAFT), self.cost.row) > 0
+        pause = self.SHORT_PAUSE if short else self.PAUSE_TOKENS
+        rate.paused = pause << min(rate.pauses, self.MAX_DOUBLINGS)
+        rate.pauses += 1
+        rate.hits, rate.trials = prior * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+        return 0
 
     @classmethod
-    def best(cls, a: float, most: int, row: float | None = None) -> int:
+    def best(cls, a: float, most: int, row: float | None = None, margin: float | None = None
+             ) -> int:
         """The number of drafts that yields most tokens per cost at acceptance ``a``, a
-        verify row costing ``row`` decode steps (default ``VERIFY_ROW_COST``)."""
+        verify row costing ``row`` decode steps (default ``VERIFY_ROW_COST``); 0 unless it
+        beats plain decoding by ``margin`` (default ``MARGIN``)."""
         row = cls.VERIFY_ROW_COST if row is None else row
-        best_k, best_gain = 0, 1.0
+        margin = cls.MARGIN if margin is None else margin
+        best_k, best_gain = 0, 1.0 + margin
         expected = 0.0
         for k in range(1, most + 1):
             expected += a**k
@@ -192,6 +328,9 @@ class Pace:
         rate = self._rate(evidence)
         rate.hits = self.DECAY * rate.hits + accepted
         rate.trials = self.DECAY * rate.trials + accepted + missed
+        if accepted:
+            rate.pauses = 0
+        self.shared.update(evidence, accepted, missed)
 
 
 class PromptLookup:
