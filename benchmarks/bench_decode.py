@@ -2,7 +2,7 @@
 ``llama-bench`` on the same file and thread count (pp512 / tg128 by default).
 
     python benchmarks/bench_decode.py [--models smollm2,gemma3-270m,qwen3-0.6b,qwen3moe-1b]
-        [--threads 2] [--llama-bench PATH] [--depth N] [--json OUT]
+        [--threads 2] [--llama-bench PATH] [--depth N] [--rounds 2] [--out DIR] [--json OUT]
 
 ``--depth N`` measures decode only, after a context of N tokens (llama-bench's ``-d``): the
 cost of attention over a long conversation.
@@ -23,7 +23,10 @@ Models:
 
 The two synthetic files are written once by ``plugins/lmserve-qwen3/tests/synthetic.py`` and
 cached. The engines alternate round by round so both see the same machine noise; the CPU
-model is printed with the figures, because ratios move between machines.
+model is printed with the figures, because ratios move between machines. Each figure is
+the median of ``--reps`` repetitions (llama-bench: their mean); the summary gives the median
+of the rounds' ratios. The records, the printed lines and a plot go to ``--out``
+(``bench-results/decode.json``, ``.md``, ``.png``; ``decode-depthN.*`` with ``--depth``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,30 +48,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import Report, add_output_options, cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = {"qwen3-0.6b": ("qwen3", "0.6b"), "qwen3moe-1b": ("qwen3moe", "moe-1b")}
 SYNTHETIC_QWEN35 = {"qwen35-0.8b": ("qwen35", "0.8b")}
-
-
-def cpu_model() -> str:
-    """The CPU's name with its family / model numbers and the vector extensions the kernels
-    use (a virtual machine's name alone, "Intel(R) Xeon(R) Processor", tells little)."""
-    try:
-        fields: dict[str, str] = {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if not key.strip():
-                break  # the first processor is enough
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        fields = {}
-    name = fields.get("model name")
-    if not name:
-        return platform.processor() or platform.machine()
-    flags = set(fields.get("flags", "").split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
-    return (f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-            f"{'; ' + ' '.join(isa) if isa else ''})")
 
 
 def smollm2_path() -> Path:
@@ -216,10 +200,12 @@ def main() -> None:
     parser.add_argument("--llama-bench", help="path of a built llama.cpp llama-bench")
     parser.add_argument("--depth", type=int, default=0,
                         help="decode only, after a context of this many tokens")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    add_output_options(parser)
     args = parser.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    print(f"CPU: {cpu_model()}, {args.threads} threads")
+    report = Report("decode", args, args.threads, args.llama_bench,
+                    name=f"decode-depth{args.depth}" if args.depth else "decode")
+    report.print(f"CPU: {cpu_model()}, {args.threads} threads")
     records: list[dict[str, Any]] = []
     for name in names:
         path = model_path(name)
@@ -245,13 +231,12 @@ def main() -> None:
                 record["ratio"] = ratio
                 line += (" | llama.cpp " + " ".join(f"{theirs[k]:7.1f}" for k in keys)
                          + " | ratio " + " ".join(f"{k} {ratio[k]:.2f}x" for k in keys))
-            print(line, flush=True)
+            report.print(line)
             records.append(record)
         if args.llama_bench:
-            print(summary(name, records), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads,
-                                         "runs": records}, indent=1) + "\n")
+            report.print(summary(name, records))
+    report.finish(prompt=args.prompt, gen=args.gen, depth=args.depth, reps=args.reps,
+                  rounds=args.rounds, runs=records)
 
 
 if __name__ == "__main__":

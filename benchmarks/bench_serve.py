@@ -1,7 +1,9 @@
 """Many users at once: lmserve and llama.cpp's ``llama-server`` side by side over HTTP.
 
     python benchmarks/bench_serve.py --llama-server PATH [--models smollm2,gemma3-270m]
-        [--threads 2] [--concurrency 4,8,16] [--rounds 1] [--json OUT]
+        [--threads 2] [--concurrency 1,4,8,16] [--rounds 1] [--out DIR] [--json OUT]
+    python benchmarks/bench_serve.py --spec [--models smollm2,gemma3-270m] [--rounds 1]
+        [--spec-draft SMALL.gguf] [--out DIR] [--json OUT]
 
 Both servers get the same GGUF and thread count; llama-server keeps its default parallel
 slots, lmserve its defaults (``--batch 4``, raised to the largest concurrency measured so
@@ -14,7 +16,14 @@ machine noise:
   longest gap between two tokens of the 3 streams from its arrival on, and its own time to
   first token.
 
-The CPU model is printed with the figures: ratios move between machines.
+With ``--spec``: one greedy stream of 256 tokens per workload (a code edit, a JSON
+extraction, the same extraction under a JSON schema, a free chat), lmserve plain against
+lmserve ``--spec`` (and ``--spec-draft``), the servers side by side taking each workload in
+turns, round after round; median decode tok/s and the median of the rounds' ratios, and
+whether every reply was byte-identical to plain decoding. No llama.cpp needed.
+
+The CPU model is printed with the figures: ratios move between machines. The records, the
+printed tables and a plot go to ``--out`` (``bench-results/serve.*``, or ``spec.*``).
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import httpx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import cpu_model, model_path  # noqa: E402
+from bench_decode import model_path  # noqa: E402
+from results import Report, add_output_options, cpu_model  # noqa: E402
 
 TOPICS = [
     "the history of the printing press",
@@ -281,7 +291,7 @@ def spec_events(log: Path) -> tuple[dict[str, Any] | None, float | None]:
 
 
 def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str | None,
-               rounds: int, row_cost: float | None) -> None:
+               rounds: int, row_cost: float | None, report: Report) -> dict[str, Any]:
     """Single-stream greedy decode with and without speculative decoding: the servers run
     side by side and take each workload in turns (the order turning each round), round
     after round, so that the machine's noise falls on all; the ratio is the median of the
@@ -313,15 +323,17 @@ def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str
                     run = asyncio.run(run_spec_workload(urls[name], spec, max_tokens))
                     run["spec"], calibrated[name] = spec_events(server_logs[name])
                     results[name][workload].append(run)
-    print(f"\n{path.name}: single-stream greedy decode, median tok/s over {rounds} round(s) "
-          "(median ratio to plain)")
+    report.print(f"\n{path.name}: single-stream greedy decode, median tok/s over {rounds} "
+                 "round(s) (median ratio to plain)")
     others = names[1:]
-    print("| workload | " + " | ".join(variants) + " | identical replies | "
-          + " | ".join(f"{name} each round" for name in others) + " |")
-    print("|---" * (len(variants) + 2 + len(others)) + "|")
+    report.print("| workload | " + " | ".join(variants) + " | identical replies | "
+                 + " | ".join(f"{name} each round" for name in others) + " |")
+    report.print("|---" * (len(variants) + 2 + len(others)) + "|")
+    workloads = {}
     for workload in SPEC_WORKLOADS:
         base = results["plain"][workload]
         cells, rounds_ = [], []
+        figures = {}
         for name in variants:
             runs = results[name][workload]
             rate = statistics.median(r["decode_tok_s"] for r in runs)
@@ -329,17 +341,22 @@ def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str
                 r["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
                 for r, b in zip(runs, base, strict=True)
             ]
-            cells.append(f"{rate:.1f} ({statistics.median(ratios):.2f}x)")
+            ratio = statistics.median(ratios)
+            cells.append(f"{rate:.1f} ({ratio:.2f}x)")
+            figures[name] = {"tok_s": rate, "ratio": ratio,
+                             "rounds": [r["decode_tok_s"] for r in runs]}
             if name != "plain":
                 rounds_.append(" ".join(f"{x:.2f}" for x in ratios))
         same = all(r["text"] == base[0]["text"] for n in variants for r in results[n][workload])
-        print(f"| {workload} ({base[0]['tokens']} tokens) | " + " | ".join(cells)
-              + f" | {'yes' if same else 'NO'} | " + " | ".join(rounds_) + " |", flush=True)
+        report.print(f"| {workload} ({base[0]['tokens']} tokens) | " + " | ".join(cells)
+                     + f" | {'yes' if same else 'NO'} | " + " | ".join(rounds_) + " |")
+        workloads[workload] = {"tokens": base[0]["tokens"], "identical": same,
+                               "variants": figures}
     for name in others:
         row = row_cost if row_cost is not None else calibrated.get(name) or 0.25
-        print(f"\n{name}, each round: drafts accepted / verified, and the decode steps of "
-              f"plain decoding per step its passes cost at a row cost of {row:.2f} "
-              "(tokens / (tokens - accepted + row x verified))")
+        report.print(f"\n{name}, each round: drafts accepted / verified, and the decode steps "
+                     f"of plain decoding per step its passes cost at a row cost of {row:.2f} "
+                     "(tokens / (tokens - accepted + row x verified))")
         for workload in SPEC_WORKLOADS:
             cells = []
             for r in results[name][workload]:
@@ -349,7 +366,8 @@ def bench_spec(path: Path, threads: int, max_tokens: int, logs: Path, draft: str
                     continue
                 got, tried = event["accepted"], event["proposed"]
                 cells.append(f"{got}/{tried} {n / (n - got + row * tried):.2f}x")
-            print(f"- {workload}: " + ", ".join(cells), flush=True)
+            report.print(f"- {workload}: " + ", ".join(cells))
+    return {"file": path.name, "workloads": workloads}
 
 
 def lmserve_cmd(path: Path, port: int, threads: int, batch: int) -> list[str]:
@@ -381,27 +399,34 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--llama-server", help="path of a built llama.cpp llama-server")
-    parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--spec", action="store_true",
                         help="measure speculative decoding (single stream) instead")
     parser.add_argument("--spec-draft", help="also measure --spec-draft with this GGUF")
     parser.add_argument("--row-cost", type=float,
                         help="--spec: the row cost to count steps at (default: the server's "
                         "calibration)")
+    add_output_options(parser)
     args = parser.parse_args()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
     if args.spec or args.spec_draft:
-        print(f"CPU: {cpu_model()}, {args.threads} threads", flush=True)
+        report = Report("spec", args, args.threads)
+        report.print(f"CPU: {cpu_model()}, {args.threads} threads")
         logs = Path(tempfile.mkdtemp(prefix="bench-spec-"))
-        for name in [n.strip() for n in args.models.split(",") if n.strip()]:
-            bench_spec(model_path(name), args.threads, max(args.max_tokens, 256), logs,
-                       args.spec_draft, args.rounds, args.row_cost)
+        models = [
+            {"model": name, **bench_spec(model_path(name), args.threads,
+                                         max(args.max_tokens, 256), logs, args.spec_draft,
+                                         args.rounds, args.row_cost, report)}
+            for name in names
+        ]
+        report.finish(rounds=args.rounds, max_tokens=max(args.max_tokens, 256), models=models)
         return
     concurrency = [int(n) for n in args.concurrency.split(",")]
     batch = max(4, *concurrency)
-    print(f"CPU: {cpu_model()}, {args.threads} threads, lmserve --batch {batch}", flush=True)
+    report = Report("serve", args, args.threads, args.llama_server)
+    report.print(f"CPU: {cpu_model()}, {args.threads} threads, lmserve --batch {batch}")
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     records = []
-    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+    for name in names:
         path = model_path(name)
         for round_ in range(1, args.rounds + 1):
             engines = {"lmserve": lmserve_cmd}
@@ -414,18 +439,19 @@ def main() -> None:
                 with serving(make(path, port, args.threads, batch), port,
                              logs / f"{engine}-{name}-{round_}.log") as url:
                     figures[engine] = bench_server(url, concurrency, args.max_tokens)
-            records.append({"model": name, "round": round_, **figures})
-            print_table(name, round_, figures)
-    if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_model(), "records": records}, indent=1))
+            records.append({"model": name, "file": path.name, "round": round_, **figures})
+            print_table(name, round_, figures, report)
+    report.finish(concurrency=concurrency, max_tokens=args.max_tokens, batch=batch,
+                  rounds=args.rounds, records=records)
 
 
-def print_table(name: str, round_: int, figures: dict[str, dict[str, Any]]) -> None:
+def print_table(name: str, round_: int, figures: dict[str, dict[str, Any]], report: Report
+                ) -> None:
     engines = list(figures)
-    print(f"\n{name}, round {round_}")
+    report.print(f"\n{name}, round {round_}")
     head = "| workload | " + " | ".join(engines) + (" | ratio |" if len(engines) == 2 else " |")
-    print(head)
-    print("|---" * (len(engines) + 1 + (len(engines) == 2)) + "|")
+    report.print(head)
+    report.print("|---" * (len(engines) + 1 + (len(engines) == 2)) + "|")
     for workload in figures[engines[0]]:
         cells = []
         values = []
@@ -441,7 +467,7 @@ def print_table(name: str, round_: int, figures: dict[str, dict[str, Any]]) -> N
             if f["errors"]:
                 cells[-1] += f" ({len(f['errors'])} errors: {f['errors'][0]})"
         ratio = f" | {values[0] / values[1]:.2f}x" if len(values) == 2 and values[1] else ""
-        print(f"| {workload} | " + " | ".join(cells) + ratio + " |", flush=True)
+        report.print(f"| {workload} | " + " | ".join(cells) + ratio + " |")
 
 
 if __name__ == "__main__":

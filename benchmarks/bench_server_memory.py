@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -26,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "tests" / "data" / "perplexity" / "text.txt"
@@ -42,13 +44,6 @@ def status_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def default_model() -> Path:

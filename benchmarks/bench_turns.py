@@ -2,7 +2,7 @@
 user waits for. lmserve and llama.cpp's ``llama-server`` side by side.
 
     python benchmarks/bench_turns.py --models qwen35-0.8b --llama-server PATH [--threads 2]
-        [--rounds 2] [--json OUT]
+        [--rounds 2] [--out DIR] [--json OUT]
 
 Per round and server: a fresh server; turn 1 is a chat of about 2,000 prompt tokens (a
 document and a question), read cold; turn 2 sends the whole conversation back with turn 1's
@@ -15,6 +15,8 @@ For models whose layers keep a recurrent state (Qwen3.5), neither server can cut
 back to a shorter prefix: what turn 2 reuses is a checkpoint of it taken while turn 1's
 prompt was read (lmserve: 4 and 1 tokens before its end, and every 1024 tokens;
 llama-server: its ``--ctx-checkpoints``).
+
+The records and the printed lines go to ``--out`` (``bench-results/turns.json``, ``.md``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import httpx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import cpu_model, model_path  # noqa: E402
+from bench_decode import model_path  # noqa: E402
 from bench_serve import TOPICS, free_port, llama_server_cmd, lmserve_cmd, serving  # noqa: E402
+from results import Report, add_output_options, cpu_model  # noqa: E402
 
 MAX_TOKENS = 32
 
@@ -107,9 +110,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-server", help="path of a built llama.cpp llama-server")
     parser.add_argument("--logs", type=Path, default=Path("/tmp"))
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    add_output_options(parser)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}, {args.threads} threads")
+    report = Report("turns", args, args.threads, args.llama_server)
+    report.print(f"CPU: {cpu_model()}, {args.threads} threads")
     records: list[dict[str, Any]] = []
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
         path = model_path(name)
@@ -126,19 +130,17 @@ def main() -> None:
                     turn(url, [{"role": "user", "content": "Hello"}])  # warm up
                     result = conversation(url)
                 t1, t2 = result["turn1"], result["turn2"]
-                print(
+                report.print(
                     f"{name} round {round_} {server:12s} turn 1: {t1['prompt_tokens']} prompt "
                     f"tokens, TTFT {t1['ttft']:.2f} s | turn 2: {t2['prompt_tokens']} prompt "
                     f"tokens, {t2['cached_tokens']} reused, TTFT {t2['ttft']:.2f} s | "
-                    f"turn 2 / turn 1 {result['ratio']:.3f}",
-                    flush=True,
+                    f"turn 2 / turn 1 {result['ratio']:.3f}"
                 )
                 records.append({"model": name, "round": round_, "server": server, **result})
     for server in {r["server"] for r in records}:
         ratios = [r["ratio"] for r in records if r["server"] == server]
-        print(f"{server}: median turn 2 / turn 1 TTFT {statistics.median(ratios):.3f}")
-    if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_model(), "runs": records}, indent=1) + "\n")
+        report.print(f"{server}: median turn 2 / turn 1 TTFT {statistics.median(ratios):.3f}")
+    report.finish(rounds=args.rounds, max_tokens=MAX_TOKENS, runs=records)
 
 
 if __name__ == "__main__":
