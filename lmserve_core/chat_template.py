@@ -393,7 +393,8 @@ class ControlTextGuard:
 
     def __init__(self, find: Callable[[str], list[str]]) -> None:
         self._find = find
-        self.texts: list[str] = []
+        self.texts: list[str] = []  # the control texts replaced, by placeholder number
+        self._numbers: dict[str, int] = {}
 
     def apply(self, value: Any) -> Any:
         """``value`` (strings, lists and dicts of them) with control texts replaced."""
@@ -406,16 +407,31 @@ class ControlTextGuard:
         return value
 
     def _guard(self, text: str) -> str:
-        found = self._find(text)
-        if not found:
-            return text
-        pattern = re.compile("|".join(re.escape(t) for t in found))
+        # longest first; one placeholder per distinct text, so a message of a million
+        # control texts is replaced in one pass per distinct one
+        for found in self._find(text):
+            number = self._numbers.get(found)
+            if number is None:
+                number = self._numbers[found] = len(self.texts)
+                self.texts.append(found)
+            text = text.replace(found, f"{self.OPEN}{number}{self.CLOSE}")
+        return text
 
-        def place(match: re.Match[str]) -> str:
-            self.texts.append(match.group(0))
-            return f"{self.OPEN}{len(self.texts) - 1}{self.CLOSE}"
-
-        return pattern.sub(place, text)
+    def restored_length(self, rendered: str) -> int:
+        """A lower bound of the length of :meth:`restore`'s text, in two passes over
+        ``rendered`` whatever the number of placeholders in it: a placeholder gives way to
+        a text at least as long as the shortest one replaced."""
+        if not self.texts:
+            return len(rendered)
+        digits = len(str(len(self.texts) - 1))
+        shortest = min(map(len, self.texts))
+        length = len(rendered)
+        # (an opening character may also be the message's own: counted as shrinking too)
+        if shortest < digits + 2:
+            length -= rendered.count(self.OPEN) * (digits + 2 - shortest)
+        if shortest < digits + 12:
+            length -= rendered.count("\\ue000") * (digits + 12 - shortest)
+        return max(0, length)
 
     def restore(self, rendered: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text with the control texts back, and their spans."""

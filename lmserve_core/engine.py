@@ -1,24 +1,29 @@
 """The bounded queue, the one inference worker, and the per-request stream pipe.
 
-Requests are accepted concurrently on the asyncio side and generated on a single worker
-thread that owns the backend. A backend that batches (``begin`` and ``step``, see
-``lmserve_core.backend``) runs up to ``batch_size`` generations at once: the worker
-advances them a step at a time, takes queued requests into the running batch between
-steps, and lets each one leave as soon as it ends. Any other backend generates one request
-at a time. The worker never touches a socket: each request gets a ``RequestStream`` whose
-events are handed to the event loop with ``call_soon_threadsafe``, so a client that stops
-reading only grows its own buffer.
+Requests are accepted concurrently on the asyncio side, prepared (the backend's
+``validate``: prompt rendered and tokenized, grammar compiled) on a few preparation threads
+(``PREPARE_THREADS``), and generated on a single worker thread that owns the backend. A
+backend that batches (``begin`` and ``step``, see ``lmserve_core.backend``) runs up to
+``batch_size`` generations at once: the worker advances them a step at a time, takes
+queued requests into the running batch between steps, and lets each one leave as soon as
+it ends. Any other backend generates one request at a time. The worker never touches a
+socket: each request gets a ``RequestStream`` whose events are handed to the event loop
+with ``call_soon_threadsafe``, so a client that stops reading only grows its own buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextvars
 import itertools
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -32,6 +37,12 @@ from .request import NormalizedRequest
 log = structlog.get_logger("lmserve.requests")
 
 _SENTINEL = object()
+_R = TypeVar("_R")
+
+# Threads that prepare requests (render, tokenize, compile grammars) next to the worker:
+# half the cores (two at least, so one long preparation does not hold up every other), so
+# that however many requests arrive at once, their preparation leaves the worker its share.
+PREPARE_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(slots=True)
@@ -150,7 +161,9 @@ class _Job:
 class Engine:
     """Owns the backend, the bounded queue and the inference worker thread."""
 
-    def __init__(self, backend: Backend, *, queue_size: int = 16) -> None:
+    def __init__(
+        self, backend: Backend, *, queue_size: int = 16, prepare_threads: int | None = None
+    ) -> None:
         self.backend = backend
         self.queue_size = queue_size
         self._jobs: collections.deque[_Job] = collections.deque()
@@ -175,6 +188,10 @@ class Engine:
         if disk is not None:
             self.metrics.watch_disk(lambda: disk.stats)
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
+        self.prepare_threads = PREPARE_THREADS if prepare_threads is None else prepare_threads
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, self.prepare_threads), thread_name_prefix="lmserve-prepare"
+        )
         self._ids = itertools.count(1)
         self._started = False
 
@@ -203,6 +220,7 @@ class Engine:
             self._cond.notify_all()
         if self._started:
             self._worker.join(timeout)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def accepting(self) -> bool:
@@ -223,6 +241,15 @@ class Engine:
 
     # -- submission ---------------------------------------------------------------------
 
+    async def prepare(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` on the preparation threads: work on a request before it is queued
+        (rendering and tokenizing its prompt, compiling its grammar). At most
+        ``prepare_threads`` run at once, whatever arrives, so a flood of large requests
+        queues here instead of taking the cores from the worker."""
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(self._prepare_pool, context.run, fn, *args)
+
     async def submit(self, request: NormalizedRequest) -> RequestStream:
         """Validate and enqueue; raises QueueFull, ShuttingDown or the backend's error."""
         return (await self.submit_all([request]))[0]
@@ -236,7 +263,7 @@ class Engine:
             pm.hook.prepare_request(request=request, backend=self.backend)
             # Rendering a long prompt or compiling a grammar takes milliseconds to seconds:
             # off the event loop, so other connections keep being served meanwhile.
-            await asyncio.to_thread(self.backend.validate, request)
+            await self.prepare(self.backend.validate, request)
         loop = asyncio.get_running_loop()
         streams = [RequestStream(request, loop, self.metrics) for request in requests]
         with self._cond:

@@ -66,7 +66,7 @@ from .speculative import (
     VerifyCost,
 )
 from .stops import StopScanner
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer, TooManyTokens
 from .tools import JSON_CALL, ToolCallParser, ToolConvention, closed_schema, forced_call_grammar
 
 log = structlog.get_logger("lmserve.gguf_chat")
@@ -175,6 +175,7 @@ class GGUFChatBackend:
             )
 
         self.tokenizer = Tokenizer.from_gguf(gguf)
+        self.tokenizer.longest_token  # noqa: B018 - the length bound of prompts, found now
         self.template = ChatTemplate.from_gguf(
             gguf, self.tokenizer, fallback=conventions.fallback_template
         )
@@ -399,21 +400,42 @@ class GGUFChatBackend:
         """Prompt tokens of ``request`` exactly as ``generate`` would feed them."""
         return len(self._prompt_tokens(request)[0])
 
-    def _prompt_tokens(self, request: NormalizedRequest) -> tuple[list[int], str | None]:
-        """The prompt's token ids, and the rendered chat text (None for raw prompts)."""
+    def _prompt_tokens(
+        self, request: NormalizedRequest, most: int | None = None
+    ) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and the rendered chat text (None for raw prompts). With
+        ``most``, ``TooManyTokens`` once there are more than ``most`` of them: the work is
+        then bounded by ``most``, not by the prompt's length."""
         if request.prompt is not None:
             # Raw completions: BOS per the vocabulary, special-token text parsed like
             # llama-server does.
-            return self.tokenizer.encode(request.prompt, add_special=True, parse_special=True), None
+            return self._encode_prompt(request.prompt, most, ()), None
         # A BOS the template writes itself was dropped from the text when the vocabulary
         # adds one (ChatTemplate.from_gguf), as llama.cpp does.
-        text, plain = self._render(request)
-        tokens = self.tokenizer.encode(text, add_special=True, parse_special=True, plain=plain)
-        return tokens, text
+        text, plain = self._render(request, most)
+        return self._encode_prompt(text, most, plain), text
+
+    def _encode_prompt(
+        self, text: str, most: int | None, plain: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        if most is None:
+            return self.tokenizer.encode(text, add_special=True, parse_special=True, plain=plain)
+        return self.tokenizer.encode_within(
+            text, most, add_special=True, parse_special=True, plain=plain
+        )
 
     def _prepare(self, request: NormalizedRequest) -> _Prepared:
-        tokens, text = self._prompt_tokens(request)
-        param = "prompt" if text is None else "messages"
+        param = "prompt" if request.prompt is not None else "messages"
+        try:
+            # a prompt that cannot fit is found out within the context's worth of tokens
+            tokens, text = self._prompt_tokens(request, most=self.context_length - 1)
+        except TooManyTokens as exc:
+            size = str(exc.at_least) if exc.exact else f"at least {exc.at_least}"
+            raise InvalidRequest(
+                f"prompt is {size} tokens; the context is {self.context_length}",
+                param=param,
+                code="context_length_exceeded",
+            ) from None
         markers = self.conventions.think
         think_inside = (
             text is not None
@@ -513,9 +535,13 @@ class GGUFChatBackend:
             )
             return None
 
-    def _render(self, request: NormalizedRequest) -> tuple[str, list[tuple[int, int]]]:
+    def _render(
+        self, request: NormalizedRequest, most: int | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The chat prompt, and the spans of control-token text its messages and tools
-        supplied: those are tokenized as text, never as control tokens."""
+        supplied: those are tokenized as text, never as control tokens. With ``most``, a
+        prompt too long for that many tokens by its length alone is ``TooManyTokens`` before
+        those spans are found (one each: there may be millions)."""
         guard = ControlTextGuard(self.tokenizer.control_texts_in)
         kwargs: dict[str, Any] = dict(request.template_kwargs)
         switch = self.conventions.thinking_switch
@@ -538,7 +564,12 @@ class GGUFChatBackend:
                     messages, tools=None, add_generation_prompt=True, **kwargs
                 )
         finish = self.conventions.finish_prompt
-        return guard.restore(text if finish is None else finish(text))
+        text = text if finish is None else finish(text)
+        if most is not None:
+            at_least = self.tokenizer.fewest_tokens(guard.restored_length(text))
+            if at_least > most:
+                raise TooManyTokens(at_least, most)
+        return guard.restore(text)
 
     @staticmethod
     def _thinking(request: NormalizedRequest) -> bool:

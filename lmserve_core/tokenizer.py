@@ -12,6 +12,7 @@ ranked by the score of the merged piece, which is how llama.cpp's SPM tokenizer 
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -26,13 +27,31 @@ from tokenizers import Tokenizer as HFTokenizer
 if TYPE_CHECKING:
     from lmserve_core.gguf_file import GGUFFile
 
-__all__ = ["PRE_TOKENIZER_NAMES", "StreamDecoder", "Tokenizer", "TokenizerError", "TokenType"]
+__all__ = [
+    "PRE_TOKENIZER_NAMES",
+    "StreamDecoder",
+    "Tokenizer",
+    "TokenizerError",
+    "TokenType",
+    "TooManyTokens",
+]
 
 log = structlog.get_logger("lmserve.tokenizer")
 
 
 class TokenizerError(ValueError):
     """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
+
+
+class TooManyTokens(ValueError):
+    """:meth:`Tokenizer.encode_within` stopped: the text has more tokens than allowed.
+    ``at_least`` is a lower bound of its token count (more than ``most``)."""
+
+    def __init__(self, at_least: int, most: int, *, exact: bool = False) -> None:
+        super().__init__(f"at least {at_least} tokens, more than the {most} allowed")
+        self.at_least = at_least
+        self.most = most
+        self.exact = exact  # at_least is the count itself (the whole text was encoded)
 
 
 class TokenType:
@@ -504,6 +523,13 @@ class _Lowercase(dict[int, str]):
 
 
 _LOWERCASE = _Lowercase()
+# encode_within: a text of at most this many characters a token allowed is encoded whole;
+# a longer one in pieces of about this many characters per token still allowed (at least
+# _PIECE_CHARS), each cut after a letter before a space or newline (``_CUT``).
+_WHOLE_CHARS_PER_TOKEN = 8
+_PIECE_CHARS_PER_TOKEN = 4
+_PIECE_CHARS = 2048
+_CUT = re.compile("[^\\W\\d_](?=[ \n\u2581])")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -520,6 +546,19 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _BYTE_DECODER: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_ENCODER: dict[int, str] = _bytes_to_unicode()
+
+
+def _symbol_pair(byte_level: bool, left: str, right: str) -> str:
+    """Two adjacent characters of a text as the vocabulary's tokens spell them where they
+    meet: byte-level vocabularies spell bytes (the last of ``left``, the first of
+    ``right``); the others spell characters."""
+    if not byte_level:
+        return left + right
+    return (
+        _BYTE_ENCODER[left.encode("utf-8", "surrogatepass")[-1]]
+        + _BYTE_ENCODER[right.encode("utf-8", "surrogatepass")[0]]
+    )
 
 
 _CACHE: dict[tuple[Any, ...], Tokenizer] = {}
@@ -530,6 +569,7 @@ class _SplitTable:
     """Special tokens in llama.cpp's partition order, with a quick test for which occur."""
 
     _KEY = 6
+    _MANY = 16  # a group larger than this is looked for where its key occurs
 
     def __init__(self, entries: list[tuple[str, int]]) -> None:
         self.entries = entries
@@ -538,15 +578,37 @@ class _SplitTable:
         self.groups: dict[str, list[int]] = {}
         for k, (text, _) in enumerate(entries):
             self.groups.setdefault(text[: self._KEY], []).append(k)
+        # the groups by the first character of their key: a text without "<" is done in one
+        # pass, whatever the number of groups
+        self.firsts: dict[str, list[str]] = {}
+        for key in self.groups:
+            self.firsts.setdefault(key[:1], []).append(key)
+        # a large group: the texts following each occurrence of its key, looked up in a
+        # dict, instead of one pass over the text per token
+        self.windows: dict[str, tuple[re.Pattern[str], dict[str, list[int]], list[int]]] = {}
+        for key, members in self.groups.items():
+            if len(members) > self._MANY:
+                texts: dict[str, list[int]] = {}
+                for k in members:
+                    texts.setdefault(entries[k][0], []).append(k)
+                longest = max(map(len, texts))
+                window = re.compile(f"(?=({re.escape(key)}.{{0,{longest - len(key)}}}))", re.S)
+                self.windows[key] = (window, texts, sorted({len(t) for t in texts}))
 
     def occurring_in(self, text: str) -> list[tuple[str, int]]:
-        found = [
-            k
-            for key, members in self.groups.items()
-            if key in text
-            for k in members
-            if self.entries[k][0] in text
-        ]
+        found: list[int] = []
+        for first, keys in self.firsts.items():
+            if first not in text:
+                continue
+            for key in keys:
+                if key not in text:
+                    continue
+                if key not in self.windows:
+                    found += [k for k in self.groups[key] if self.entries[k][0] in text]
+                    continue
+                window, texts, lengths = self.windows[key]
+                seen = set(window.findall(text))
+                found += {k for w in seen for n in lengths for k in texts.get(w[:n], ())}
         found.sort()
         return [self.entries[k] for k in found]
 
@@ -847,6 +909,82 @@ class Tokenizer:
         ``plain`` (start, end), where they stay text: e.g. what a message supplied, in a
         rendered chat prompt.
         """
+        return self._encode(text, add_special, parse_special, plain, None)
+
+    def encode_within(
+        self,
+        text: str,
+        most: int,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        plain: Sequence[tuple[int, int]] = (),
+    ) -> list[int]:
+        """:meth:`encode`, for a text that may be far longer than ``most`` tokens: the same
+        ids when there are at most ``most`` of them, else :class:`TooManyTokens` with a lower
+        bound of their count. The work is bounded by ``most``, not by the length of the text.
+
+        No token stands for more bytes than the vocabulary's longest, so a text of more
+        than ``most`` times as many bytes is refused before any tokenization. A text of up
+        to ``_WHOLE_CHARS_PER_TOKEN`` characters a token allowed is encoded whole; a longer
+        one in pieces, counting as it goes and stopping once the count passes ``most``. A
+        piece ends after a letter followed by a space or a newline that no token of the
+        vocabulary joins: every pre-tokenizer splits there (a letter run ends, and no
+        pattern carries a letter on into whitespace), so the pieces' ids are the whole
+        text's ids. Special-token texts are split out first, never cut.
+        """
+        added = self._added(add_special)
+        # bytes >= characters: the cheap bound first, the exact byte count when it matters
+        at_least = added + self.fewest_tokens(len(text))
+        if at_least <= most and not text.isascii():
+            at_least = added + self.fewest_tokens(len(text.encode("utf-8", "surrogatepass")))
+        if at_least > most:
+            raise TooManyTokens(at_least, most)
+        if len(text) <= _WHOLE_CHARS_PER_TOKEN * max(most, 1):
+            ids = self._encode(text, add_special, parse_special, plain, None)
+            if len(ids) > most:
+                raise TooManyTokens(len(ids), most, exact=True)
+            return ids
+        return self._encode(text, add_special, parse_special, plain, most)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """At least as many bytes as any token stands for (and 1). A byte-level token
+        stands for the bytes it decodes to; any other for at most its text's UTF-8 (an
+        escaped space "\u2581" may stand for a typed "\u2581" as well as for a space).
+        Tokens that decode to nothing (unused, undefined) count their text."""
+        utf8 = [len(t.encode("utf-8", "surrogatepass")) for t in self._texts]
+        if self._byte_level:
+            return max(1, max(len(self._piece(i)) or n for i, n in enumerate(utf8)))
+        return max(1, max(max(len(self._piece(i)), n) for i, n in enumerate(utf8)))
+
+    def fewest_tokens(self, size: int) -> int:
+        """A lower bound of the tokens of any text of ``size`` bytes (or characters, which
+        are no more): none stands for more than :attr:`longest_token` bytes. 0 where text
+        may be dropped instead of tokenized (whitespace of the whitespace model, before an
+        lstrip token)."""
+        if self.model == "whitespace" or self._lstrip:
+            return 0
+        return -(-size // self.longest_token)
+
+    def _added(self, add_special: bool) -> int:
+        """How many tokens ``add_special`` adds (BOS, EOS)."""
+        if not add_special:
+            return 0
+        return int(self.add_bos and self.bos_id is not None) + int(
+            self.add_eos and self.eos_id is not None
+        )
+
+    def _encode(
+        self,
+        text: str,
+        add_special: bool,
+        parse_special: bool,
+        plain: Sequence[tuple[int, int]],
+        most: int | None,
+    ) -> list[int]:
+        """:meth:`encode`; with ``most``, raising :class:`TooManyTokens` as soon as more
+        than ``most`` ids are out (:meth:`encode_within`)."""
         out: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
@@ -855,6 +993,8 @@ class Tokenizer:
             if isinstance(frag, int):
                 out.append(frag)
                 prev_special = True
+                if most is not None and len(out) > most:
+                    raise TooManyTokens(len(out), most)
                 continue
             if self.model == "llama":
                 if self.add_space_prefix and prev_special:
@@ -866,26 +1006,66 @@ class Tokenizer:
                 frag = frag.translate(_LOWERCASE)
             if self._newline_tokens:
                 # Gemma 4: split at newline runs; a run that is a token of its own is that token
-                for word in _NEWLINE_RUNS.findall(frag):
+                for match in _NEWLINE_RUNS.finditer(frag):
+                    word = match.group()
                     tid = self._lookup(word) if word[0] == "\n" else None
                     if tid is not None:
                         out.append(tid)
                     else:
-                        out.extend(self._bpe(word))
+                        self._extend(out, word, most)
             else:
-                out.extend(self._bpe(frag))
+                self._extend(out, frag, most)
             prev_special = False
         if add_special and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
+        if most is not None and len(out) > most:
+            raise TooManyTokens(len(out), most)
         return out
 
+    def _extend(self, out: list[int], text: str, most: int | None) -> None:
+        """Append the ids of ``text`` (one fragment, as the model's merges read it) to
+        ``out``; with ``most``, in pieces, stopping once more than ``most`` ids are out."""
+        if most is None or len(text) <= _PIECE_CHARS:
+            out.extend(self._bpe(text))
+            if most is not None and len(out) > most:
+                raise TooManyTokens(len(out), most)
+            return
+        pos = 0
+        while pos < len(text):
+            want = max(_PIECE_CHARS, _PIECE_CHARS_PER_TOKEN * (most + 1 - len(out)))
+            end = self._cut(text, pos + want)
+            out.extend(self._bpe(text[pos:end]))
+            if len(out) > most:
+                raise TooManyTokens(len(out), most)
+            pos = end
+
+    def _cut(self, text: str, start: int) -> int:
+        """The first place at or after ``start`` where ``text`` can be cut without changing
+        its ids (see :meth:`encode_within`), else its end."""
+        joined = self._joined_before_space
+        for match in _CUT.finditer(text, max(0, start - 1)):
+            end = match.end()
+            if _symbol_pair(self._byte_level, text[end - 1], text[end]) not in joined:
+                return end
+        return len(text)
+
+    @functools.cached_property
+    def _joined_before_space(self) -> frozenset[str]:
+        """The symbol pairs (a character, then a space, newline or "\u2581" as the
+        vocabulary spells them) that some token holds: cuts between them are not safe."""
+        after = "".join(sorted({_symbol_pair(self._byte_level, "a", c)[1] for c in " \n\u2581"}))
+        blob = "\x00".join(self._texts)
+        return frozenset(re.findall(f"(?=([^\x00][{re.escape(after)}]))", blob))
+
     def _bpe(self, text: str) -> list[int]:
+        # encode_batch releases the GIL (encode holds it throughout): a long text does not
+        # stall the other threads (the inference worker, the event loop).
         try:
-            return list(self._hf.encode(text, add_special_tokens=False).ids)
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:
             # Lone surrogates (possible in JSON input) are not encodable text.
             text = _SURROGATES.sub("\ufffd", text)
-            return list(self._hf.encode(text, add_special_tokens=False).ids)
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def control_texts_in(self, text: str) -> list[str]:
         """The texts of control tokens (those only ``parse_special`` splits out) that occur
@@ -908,13 +1088,20 @@ class Tokenizer:
             frags += self._partition(text[start:end], False)
             pos = end
         frags += self._partition(text[pos:], True)
-        # text on both sides of a span is one fragment, tokenized as a whole
+        # text on both sides of a span is one fragment, tokenized as a whole (joined once:
+        # a prompt of many spans must not copy its text again for each one)
         merged: list[str | int] = []
+        run: list[str] = []
         for f in frags:
-            if isinstance(f, str) and merged and isinstance(merged[-1], str):
-                merged[-1] += f
-            else:
-                merged.append(f)
+            if isinstance(f, str):
+                run.append(f)
+                continue
+            if run:
+                merged.append("".join(run))
+                run = []
+            merged.append(f)
+        if run:
+            merged.append("".join(run))
         return merged
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:

@@ -442,11 +442,16 @@ async def count_tokens(data: JSONBody[CountTokensRequest], server: ServerDep) ->
     normalized = translate(data, server)
     # Backends on the generic GGUF path count the prompt exactly as it will be fed
     # (chat template included); others get an estimate from a plain rendering.
+    # Off the event loop, on the engine's preparation threads: a long prompt takes seconds.
     counter = getattr(server.backend, "count_tokens", None)
     if callable(counter):
-        return {"input_tokens": int(counter(normalized))}
-    ids = server.backend.tokenize(_render_for_count(normalized), add_special=True)
+        return {"input_tokens": int(await server.engine.prepare(counter, normalized))}
+    ids = await server.engine.prepare(_count_plain, server.backend, normalized)
     return {"input_tokens": len(ids)}
+
+
+def _count_plain(backend: Any, normalized: NormalizedRequest) -> list[int]:
+    return list(backend.tokenize(_render_for_count(normalized), add_special=True))
 
 
 routes = [create_message, count_tokens]

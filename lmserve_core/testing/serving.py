@@ -18,8 +18,8 @@ def record_prompts(backend: Any) -> list[tuple[str, list[int]]]:
     prompts: list[tuple[str, list[int]]] = []
     render = backend._prompt_tokens
 
-    def recording(request: Any) -> tuple[list[int], str | None]:
-        tokens, text = render(request)
+    def recording(request: Any, *args: Any, **kwargs: Any) -> tuple[list[int], str | None]:
+        tokens, text = render(request, *args, **kwargs)
         prompts.append((text or "", list(tokens)))
         return tokens, text
 
