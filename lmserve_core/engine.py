@@ -83,6 +83,7 @@ class RequestStream:
         self._closed = False
         self.timing = _Timing()
         self.finish: Finish | None = None
+        self.error_status: int | None = None  # the status of the error event sent, if any
 
     # -- worker side (EventSink) -------------------------------------------------------
 
@@ -98,6 +99,8 @@ class RequestStream:
             elif self._metrics is not None and self._last_token is not None:
                 self._metrics.inter_token.observe(now - self._last_token)
             self._last_token = now
+        elif isinstance(event, ErrorEvent):
+            self.error_status = event.status
         self._put(event)
 
     def _put(self, item: object) -> None:
@@ -383,7 +386,7 @@ class Engine:
         stream.timing.finished = time.perf_counter()
         stream.emit(finish)
         stream._close()
-        status = {"error": 500, "cancelled": 499}.get(finish.reason, 200)
+        status = {"error": stream.error_status or 500, "cancelled": 499}.get(finish.reason, 200)
         self._log(stream, status)
 
     def _log(self, stream: RequestStream, status: int) -> None:

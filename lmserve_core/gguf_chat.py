@@ -100,6 +100,7 @@ class _Prepared:
     think_inside: bool  # the prompt itself opened a think block
     matcher: Any = None  # llguidance.LLMatcher, fresh
     tools: ToolConvention | None = None  # how calls in the reply are read (None: they are not)
+    grammar_field: str | None = None  # the request field the matcher's grammar came from
 
 
 @dataclass(eq=False, slots=True)
@@ -455,7 +456,8 @@ class GGUFChatBackend:
         max_tokens = max(0, min(int(request.max_tokens), self.context_length - n))
         self._check_bias(request)
         matcher, tools = self._tool_plan(request)
-        return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools)
+        field = _grammar_field(request) if matcher is not None else None
+        return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools, field)
 
     def _check_bias(self, request: NormalizedRequest) -> None:
         """A 400 naming ``logit_bias`` for a biased id outside the vocabulary."""
@@ -487,7 +489,7 @@ class GGUFChatBackend:
         if (forced or constraint is not None) and not self.capabilities.grammar:
             raise Unsupported(
                 f"backend {self.name!r} does not do constrained decoding",
-                param="tool_choice" if forced else "response_format",
+                param=_grammar_field(request),
             )
         if not forced:
             calls = convention if request.tools and choice.mode != ToolChoiceMode.NONE else None
@@ -498,7 +500,7 @@ class GGUFChatBackend:
                 either = self._calls_or(request, calls, grammar)
                 if either is not None:
                     return either, calls
-            return self._matcher(grammar, constraint.kind), calls
+            return self._matcher(grammar, constraint.kind, _field_of(constraint)), calls
         # Without a convention of its own, the model writes the call as a bare object.
         convention = convention or JSON_CALL
         only = choice.name if choice.mode == ToolChoiceMode.NAMED else None
@@ -508,7 +510,8 @@ class GGUFChatBackend:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="tool_choice") from None
-        return self._matcher(self._grammar(Constraint("lark", grammar)), "lark"), convention
+        call = Constraint("lark", grammar, field="tool_choice")
+        return self._matcher(self._grammar(call), "lark", "tool_choice"), convention
 
     def _calls_or(self, request: NormalizedRequest, convention: ToolConvention, reply: str) -> Any:
         """A matcher for calls of the request's tools or the ``reply`` grammar's text; None
@@ -525,7 +528,7 @@ class GGUFChatBackend:
                     ),
                 )
             )
-            return self._matcher(_either(calls, reply), "lark")
+            return self._matcher(_either(calls, reply), "lark", _grammar_field(request))
         except (ValueError, InvalidRequest) as exc:
             log.warning(
                 "tools_unconstrained",
@@ -593,13 +596,14 @@ class GGUFChatBackend:
 
     def _grammar(self, constraint: Constraint) -> str:
         """The llguidance grammar of ``constraint``."""
+        field = _field_of(constraint)
         try:
             import llguidance
         except ImportError:
             raise Unsupported(
                 "constrained decoding needs the llguidance package (pip install "
                 "'lmserve-core[grammar]')",
-                param="response_format",
+                param=field,
             ) from None
         M = llguidance.LLMatcher
         try:
@@ -625,22 +629,44 @@ class GGUFChatBackend:
                 raise Unsupported(f"unknown constraint kind {constraint.kind!r}")
         except ValueError as exc:
             raise InvalidRequest(
-                f"invalid {constraint.kind} constraint: {exc}", code="invalid_grammar"
+                f"invalid {constraint.kind} constraint: {exc}", param=field, code="invalid_grammar"
             ) from None
         return str(grammar)
 
-    def _matcher(self, grammar: str, kind: str) -> Any:
-        """A fresh matcher of ``grammar`` (from :meth:`_grammar`); ``kind`` names the
-        constraint in the error of a grammar that does not compile."""
+    def _matcher(self, grammar: str, kind: str, field: str | None = None) -> Any:
+        """A fresh matcher of ``grammar`` (from :meth:`_grammar`), tried on its first token;
+        ``kind`` names the constraint in the error of a grammar that does not compile, and
+        ``field`` is the request field that error and that of a grammar past llguidance's
+        limits name."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(
                 f"invalid {kind} constraint: {matcher.get_error()}",
+                param=field,
                 code="invalid_grammar",
             )
+        self._try_first_token(matcher, field)
         return matcher
+
+    def _try_first_token(self, matcher: Any, field: str | None) -> None:
+        """Compute ``matcher``'s first mask and feed a copy of it one token the mask allows
+        (not an end token): the lexer builds its first states, and a grammar too large for
+        llguidance's limits (``a{1000000}``: too many expressions) fails now."""
+        bits = np.empty((self._ll_tokenizer().vocab_size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if matcher.is_error():
+            raise _grammar_limit(matcher, field, 0)
+        allowed = np.flatnonzero(
+            np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size]
+        )
+        token = next((int(t) for t in allowed if int(t) not in self.stop_ids), None)
+        if token is None:
+            return
+        probe = matcher.deep_copy()
+        if not probe.consume_token(token) or probe.is_error():
+            raise _grammar_limit(probe, field, 0)
 
     def _ll_tokenizer(self) -> Any:
         # Walking the vocabulary takes a while on large vocabularies: once per backend.
@@ -890,6 +916,8 @@ class GGUFChatBackend:
         if matcher is not None:
             bits = gen.bits
             matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            if matcher.is_error():
+                raise _grammar_limit(matcher, gen.prepared.grammar_field, len(generated))
             mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size]
             mask = mask.view(bool)
             if not mask.any():
@@ -913,7 +941,8 @@ class GGUFChatBackend:
             return None
         if matcher is not None:
             if not matcher.consume_token(tok):
-                raise RuntimeError(f"grammar rejected token {tok}: {matcher.get_error()}")
+                # the token was in the grammar's mask: the grammar itself gave out (a limit)
+                raise _grammar_limit(matcher, gen.prepared.grammar_field, len(generated) - 1)
             if matcher.is_stopped():
                 self._end(gen, "stop")
                 return None
@@ -1070,6 +1099,41 @@ def _either(first: str, second: str) -> str:
 
     lark = {"lark_grammar": "start: @first | @second"}
     return json.dumps({"grammars": [lark, part(first, "first"), part(second, "second")]})
+
+
+# The field a constraint came from when the dialect did not say (Chat Completions' names).
+_CONSTRAINT_FIELDS = {
+    "json_schema": "response_format",
+    "json_object": "response_format",
+    "regex": "regex",
+    "lark": "lark",
+}
+
+
+def _field_of(constraint: Constraint) -> str:
+    """The request field ``constraint`` came from."""
+    return constraint.field or _CONSTRAINT_FIELDS.get(constraint.kind, "response_format")
+
+
+def _grammar_field(request: NormalizedRequest) -> str | None:
+    """The field the grammar of ``request``'s reply comes from: a forced call's, else its
+    output constraint's (also when calls may come instead)."""
+    if _forced(request):
+        return "tool_choice"
+    return _field_of(request.constraint) if request.constraint is not None else None
+
+
+def _grammar_limit(matcher: Any, field: str | None, tokens: int) -> InvalidRequest:
+    """The 400 of a grammar that llguidance gave up on ``tokens`` tokens into the reply
+    (a parser or lexer limit): the request's own content, named by its field."""
+    detail = (matcher.get_error() or "the grammar failed").strip().splitlines()[0]
+    where = "at the start of the reply" if tokens == 0 else f"after {tokens} tokens of the reply"
+    name = f"'{field}'" if field else "the grammar"
+    return InvalidRequest(
+        f"{name}: the grammar exceeded a parser limit {where}: {detail}",
+        param=field,
+        code="grammar_too_complex",
+    )
 
 
 def _forced(request: NormalizedRequest) -> bool:

@@ -70,6 +70,7 @@ class Constraint:
     source: str  # JSON schema text, regex or lark grammar; "" for json_object
     name: str | None = None
     strict: bool = True
+    field: str | None = None  # the request field that gave it (errors name it)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """What refusing a request costs: a prompt too long for the context is found out within the
 context's worth of tokens (``Tokenizer.encode_within``), on the preparation threads, not the
-worker or the event loop.
+worker or the event loop; a grammar past llguidance's limits is a 400 naming its field.
 ``benchmarks/bench_rejection.py`` measures the same on a 7.5 MB body; ``docs/limits.md``
 lists every limit."""
 
@@ -20,16 +20,20 @@ from models import smollm2_path
 from processes import API_KEY
 from scripted import (  # noqa: F401  (the fixtures)
     IM_END,
+    ListSink,
     _gguf,
     _one_tokenizer,
     _tokenizer,
     chat,
+    ids,
     make_backend,
 )
 
 import lmserve_core.tokenizer as tokenizer_module
 from lmserve_core.errors import InvalidRequest
+from lmserve_core.events import ErrorEvent, Finish, TextDelta
 from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.request import Constraint
 from lmserve_core.tokenizer import Tokenizer, TooManyTokens
 
 CORPUS: list[str] = json.loads(
@@ -247,6 +251,67 @@ def test_special_tokens_of_a_large_group_are_found_where_its_key_occurs() -> Non
         assert table.occurring_in(text) == [e for e in entries if e[0] in text], text
 
 
+# -- grammars past llguidance's limits --------------------------------------------------------
+
+
+def test_a_grammar_over_a_parser_limit_is_a_400_naming_its_field(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    backend = make_backend(gguf)
+    # compiles, but its lexer gives up on the first token: "too many expressions"
+    request = chat("x", constraint=Constraint(kind="regex", source="a{1000000}", field="regex"))
+    with pytest.raises(InvalidRequest) as err:
+        backend.validate(request)
+    assert err.value.status == 400 and err.value.param == "regex"
+    assert err.value.code == "grammar_too_complex"
+    assert err.value.message.startswith("'regex': the grammar exceeded a parser limit")
+    # the dialect's own name for the field, in a grammar that does not compile too
+    schema = Constraint(kind="json_schema", source="[1", field="text.format")
+    with pytest.raises(InvalidRequest) as err:
+        backend.validate(chat("x", constraint=schema))
+    assert err.value.param == "text.format" and err.value.code == "invalid_grammar"
+
+
+class _GivesOut:
+    """A matcher that gives out after ``after`` tokens, as llguidance does at a limit."""
+
+    def __init__(self, matcher: Any, after: int) -> None:
+        self._matcher, self._left = matcher, after
+
+    def consume_token(self, token: int) -> bool:
+        if self._left == 0:
+            return False
+        self._left -= 1
+        return bool(self._matcher.consume_token(token))
+
+    def get_error(self) -> str:
+        return "lexer error: too many expressions constructed\n<state>..."
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._matcher, name)
+
+
+def test_a_grammar_giving_out_mid_reply_ends_it_with_a_400_event(gguf: GGUFFile) -> None:
+    pytest.importorskip("llguidance")
+    b0 = make_backend(gguf)
+    backend = make_backend(gguf, ids(b0, "abcabcabc") + [IM_END])
+    request = chat("x", max_tokens=20,
+                   constraint=Constraint(kind="regex", source="(abc)+", field="regex"))
+    backend.validate(request)
+    prepared = backend._prepared[request.id]
+    prepared.matcher = _GivesOut(prepared.matcher, after=2)
+    sink = ListSink()
+    finish = backend.generate(request, sink)
+    assert finish.reason == "error"
+    errors = [e for e in sink.events if isinstance(e, ErrorEvent)]
+    assert len(errors) == 1 and errors[0].status == 400
+    assert errors[0].kind == "invalid_request_error"
+    assert errors[0].message.startswith(
+        "'regex': the grammar exceeded a parser limit after 2 tokens of the reply: lexer error"
+    )
+    assert "".join(e.text for e in sink.events if isinstance(e, TextDelta))  # what came before
+    assert not any(isinstance(e, Finish) for e in sink.events)
+
+
 # -- a real server: the refusal costs others nothing -----------------------------------------
 
 
@@ -316,3 +381,12 @@ def _status_mib(pid: int, field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+def test_grammar_limit_over_http_is_a_400_naming_the_field(smol) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("llguidance")
+    _, reply = _post(smol.base_url, {**SMALL, "regex": "a{1000000}"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "regex" and error["type"] == "invalid_request_error"
+    assert error["code"] == "grammar_too_complex"

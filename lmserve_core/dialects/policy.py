@@ -26,7 +26,7 @@ The rules:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -151,7 +151,7 @@ def pick_constraint(
             param=field,
             code=UNSUPPORTED,
         )
-    return field, constraint
+    return field, replace(constraint, field=field)
 
 
 def check_stop_strings(stop: Sequence[str], field: str, caps: Capabilities) -> None:

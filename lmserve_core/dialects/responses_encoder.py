@@ -124,8 +124,11 @@ def call_status(call: ToolCall) -> str:
 
 
 def error_code(status: int) -> str:
-    # ResponseError.code is an enumeration; these are the two that describe our failures
-    return "rate_limit_exceeded" if status == 429 else "server_error"
+    # ResponseError.code is an enumeration; these are the ones that describe our failures
+    # (a 4xx after output started: the request's own grammar gave out, docs/limits.md)
+    if status == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if 400 <= status < 500 else "server_error"
 
 
 def encode_response(meta: ResponseMeta, collected: Collected) -> dict[str, Any]:
