@@ -264,7 +264,7 @@ class Pace:
     DECAY = 0.7
     PRIOR = 0.8  # before any draft of a kind was tried: try at once
     PRIOR_WEIGHT = 2.0
-    MARGIN = 0.1
+    MARGIN = 0.05
 
     def __init__(self, cost: VerifyCost | None = None, shared: Acceptance | None = None) -> None:
         self.proposed = 0
