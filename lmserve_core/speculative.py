@@ -102,23 +102,16 @@ class VerifyCost:
 
     def __init__(self, calibrated: float | None = None) -> None:
         self.calibrated = None if calibrated is None else self._clamp(calibrated)
+        self.measured: float | None = None  # the live passes' reading (None: too few)
         self.passes = 0
         # (pass number, seconds) of the last one-row passes; (pass number, reading) of the
-        # last verify passes compared with them
+        # last verify passes read against them
         self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.RECENT)
         self._ratios: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.WINDOW)
 
     @classmethod
     def _clamp(cls, row: float) -> float:
         return min(max(row, cls.ROW_MIN), cls.ROW_MAX)
-
-    @property
-    def measured(self) -> float | None:
-        """The live passes' reading, or None while there are too few."""
-        ratios = [r for n, r in self._ratios if n > self.passes - self.AGE]
-        if len(ratios) < self.MIN_PASSES:
-            return None
-        return self._clamp(statistics.median(ratios))
 
     @property
     def row(self) -> float:
@@ -133,14 +126,26 @@ class VerifyCost:
         if rows < 1 or not seconds > 0.0 or not math.isfinite(seconds):
             return
         self.passes += 1
+        ratios = self._ratios
+        if ratios and ratios[0][0] <= self.passes - self.AGE:
+            while ratios and ratios[0][0] <= self.passes - self.AGE:
+                ratios.popleft()
+            self._read()
         if rows == 1:
             self._steps.append((self.passes, seconds))
             return
         recent = [t for n, t in self._steps if n >= self.passes - self.RECENT]
         if len(recent) < self.MIN_STEPS:
             return
-        ratio = (seconds / statistics.median(recent) - 1.0) / (rows - 1)
-        self._ratios.append((self.passes, ratio))
+        ratios.append((self.passes, (seconds / statistics.median(recent) - 1.0) / (rows - 1)))
+        self._read()
+
+    def _read(self) -> None:
+        ratios = self._ratios
+        self.measured = (
+            self._clamp(statistics.median(r for _, r in ratios))
+            if len(ratios) >= self.MIN_PASSES else None
+        )
 
     def calibrate(self, model: ForwardModel, seconds: float = 0.5) -> float:
         """Measure ``row`` on ``model``, on a cache of its own, for about ``seconds``: verify
@@ -259,7 +264,7 @@ class Pace:
     DECAY = 0.7
     PRIOR = 0.8  # before any draft of a kind was tried: try at once
     PRIOR_WEIGHT = 2.0
-    MARGIN = 0.1
+    MARGIN = 0.05
 
     def __init__(self, cost: VerifyCost | None = None, shared: Acceptance | None = None) -> None:
         self.proposed = 0

@@ -160,10 +160,10 @@ def test_a_reading_nothing_corrects_ages_out(rng: np.random.Generator) -> None:
 
 
 def test_the_margin_keeps_break_even_drafts_out() -> None:
-    # one draft right 40% of the time, a row at 0.3 of a step: 1.4 tokens for 1.3 steps
-    assert Pace.best(0.4, MAX_DRAFT, 0.3, margin=0.0) == 1
-    assert Pace.best(0.4, MAX_DRAFT, 0.3) == 0  # not by the margin
-    assert Pace.best(0.4, MAX_DRAFT, 0.2) == 1
+    # one draft right 40% of the time, a row at 0.35 of a step: 1.4 tokens for 1.35 steps
+    assert Pace.best(0.4, MAX_DRAFT, 0.35, margin=0.0) == 1
+    assert Pace.best(0.4, MAX_DRAFT, 0.35) == 0  # not by the margin
+    assert Pace.best(0.4, MAX_DRAFT, 0.25) == 1
     assert Pace.best(0.95, MAX_DRAFT, 0.5) >= MAX_DRAFT - 1  # right drafts pay however dear
 
 
