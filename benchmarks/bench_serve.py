@@ -120,7 +120,7 @@ class Stream:
 
 
 async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-               extra: dict[str, Any] | None = None) -> Stream:
+               extra: dict[str, Any] | None = None, stream: Stream | None = None) -> Stream:
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": prompt}],
@@ -130,7 +130,9 @@ async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
         "stream_options": {"include_usage": True},
         **(extra or {}),
     }
-    stream = Stream(sent=time.perf_counter())
+    if stream is None:
+        stream = Stream(sent=time.perf_counter())
+    stream.sent = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
             if reply.status_code != 200:
@@ -178,10 +180,27 @@ def long_prompt() -> str:
     return "Read these notes.\n" + "\n".join(parts) + "\nSummarise the notes in one paragraph."
 
 
+ARRIVE_AFTER = 16  # tokens each stream has streamed when the long prompt arrives
+
+
 async def run_long_prompt(url: str) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=600) as client:
-        running = [asyncio.create_task(chat(client, url, story(i), 384)) for i in range(3)]
-        await asyncio.sleep(2.0)  # the three are decoding
+        watched = [Stream(sent=time.perf_counter()) for _ in range(3)]
+        running = [
+            asyncio.create_task(chat(client, url, story(i), 384, stream=s))
+            for i, s in enumerate(watched)
+        ]
+        # the long prompt arrives once the three are decoding (a fast server finishes 384
+        # tokens within a couple of seconds: a fixed wait could miss them)
+        deadline = time.perf_counter() + 60
+        while (
+            any(
+                len(s.tokens) < ARRIVE_AFTER and not t.done()
+                for s, t in zip(watched, running, strict=True)
+            )
+            and time.perf_counter() < deadline
+        ):
+            await asyncio.sleep(0.01)
         arrived = time.perf_counter()
         long = await chat(client, url, long_prompt(), 16)
         streams = await asyncio.gather(*running)
