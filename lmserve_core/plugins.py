@@ -108,6 +108,7 @@ def backends() -> dict[str, BackendSpec]:
         architectures: tuple[str, ...] | list[str] = (),
         description: str = "",
         default_model: Callable[[], str | None] | None = None,
+        recognizes: Callable[[str], bool] | None = None,
     ) -> None:
         plugin_name = _registering_plugin(callers, sys._getframe(1)) or _plugin_owning(factory)
         if name in found:
@@ -120,6 +121,7 @@ def backends() -> dict[str, BackendSpec]:
             description=description,
             default_model=default_model,
             plugin=plugin_name,
+            recognizes=recognizes,
         )
 
     pm.hook.register_backends(register=register)
@@ -184,6 +186,20 @@ def backend_for_architecture(architecture: str) -> BackendSpec | None:
     for spec in backends().values():
         if architecture in spec.architectures:
             return spec
+    return None
+
+
+def backend_for_path(path: str) -> BackendSpec | None:
+    """The backend that recognises ``path`` as a model of its own that is not a GGUF file (a
+    checkpoint directory); None when none does."""
+    for spec in backends().values():
+        if spec.recognizes is None:
+            continue
+        try:
+            if spec.recognizes(path):
+                return spec
+        except Exception as exc:  # a plugin's check must not stop the others'
+            log.warning("recognizes_failed", backend=spec.name, path=path, error=str(exc))
     return None
 
 

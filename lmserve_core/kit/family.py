@@ -41,6 +41,8 @@ class BackendSpec:
     architectures: tuple[str, ...]
     description: str
     default_model: Callable[[], str | None] | None = None
+    # a model path of its own that is not a GGUF file (``lmserve DIR``)
+    recognizes: Callable[[str], bool] | None = None
 
 
 class Family:
@@ -49,8 +51,11 @@ class Family:
 
     ``model`` names the model class as ``"module:Class"``, or one per architecture;
     ``conventions`` are the file's conventions, or a function of the opened file giving
-    them. :attr:`create_backend` is the factory every backend registers (one object, so a
-    plugin module can hand it out as its own)."""
+    them. ``open`` opens a model path as a :class:`GGUFFile` (default
+    :meth:`GGUFFile.open`): a family whose models are not GGUF files (a training checkpoint)
+    presents them as one in memory, given the server's settings. :attr:`create_backend` is
+    the factory every backend registers (one object, so a plugin module can hand it out as
+    its own)."""
 
     def __init__(
         self,
@@ -59,12 +64,14 @@ class Family:
         model: str | Mapping[str, str],
         conventions: FamilyConventions | Callable[[GGUFFile], FamilyConventions],
         backends: Sequence[BackendSpec],
+        open: Callable[[str, ServerSettings], GGUFFile] | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a family registers at least one backend")
         self.name = name
         self._model = model
         self._conventions = conventions
+        self._open = open
         self.backends = tuple(backends)
         self.architectures = tuple(a for spec in self.backends for a in spec.architectures)
         if not isinstance(model, str) and set(model) != set(self.architectures):
@@ -96,7 +103,7 @@ class Family:
                 f"the {self.name} backend needs a model file (lmserve --backend "
                 f"{self.backends[0].name} model.gguf)"
             )
-        gguf = GGUFFile.open(path)
+        gguf = GGUFFile.open(path) if self._open is None else self._open(path, settings)
         try:
             arch = gguf.architecture
             if arch not in self.architectures:
@@ -124,6 +131,8 @@ class Family:
             kwargs: dict[str, Any] = {}
             if spec.default_model is not None:
                 kwargs["default_model"] = spec.default_model
+            if spec.recognizes is not None:
+                kwargs["recognizes"] = spec.recognizes
             register(
                 spec.name,
                 self.create_backend,

@@ -1,0 +1,168 @@
+"""The nanochat family's hooks: registers the ``nanochat`` backend.
+
+A nanochat run is a checkpoint directory, not a GGUF file: :func:`open_checkpoint` reads it
+(``checkpoint.load_checkpoint``: no torch, nothing unpickled but tensors and plain
+containers) and presents it to the generic chat path as a GGUF in memory
+(``view.build_view``), its matrices converted to ``--load-type``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings
+from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.kit.family import BackendSpec, Family
+from lmserve_core.model import FamilyConventions
+from lmserve_core.tokenizer import Tokenizer, TokenType
+
+from . import calculator
+from .config import CheckpointError
+
+ARCHITECTURE = "nanochat"
+CAPABILITIES = Capabilities(grammar=True, reasoning=False, stop_strings=True, system_role=True)
+# nanochat's chat_cli.py: temperature 0.6, top-k 50
+SAMPLING = SamplingDefaults(temperature=0.6, top_k=50, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+# The calculator's markers are shown in the reply and read back from a conversation's
+# history as the tokens they are (llama.cpp's user-defined tokens); the turn markers stay
+# control tokens, which a message's text can never produce.
+TOOL_MARKERS = ("<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
+LOAD_TYPES = ("f32", "bf16", "f16", "q8_0")
+
+# nanochat's tokenizer.render_conversation: <|bos|>, then the turns; a system message joins
+# the user message after it (a blank line between), as nanochat does. Messages of other roles
+# (tool results) are user turns; an assistant's tool calls are written as their JSON.
+CHAT_TEMPLATE = """\
+{%- set ns = namespace(pending='') -%}
+{{- bos_token -}}
+{%- for m in messages -%}
+{%- set text = m.content if m.content is string else '' -%}
+{%- if m.tool_calls -%}
+{%- for c in m.tool_calls -%}
+{%- set text = text + ('\\n' if text else '') + (c.function | tojson) -%}
+{%- endfor -%}
+{%- endif -%}
+{%- if m.role in ('system', 'developer') -%}
+{%- set ns.pending = ns.pending + ('\\n\\n' if ns.pending else '') + text -%}
+{%- elif m.role == 'assistant' -%}
+{%- if ns.pending -%}
+{{- '<|user_start|>' + ns.pending + '<|user_end|>' -}}
+{%- set ns.pending = '' -%}
+{%- endif -%}
+{{- '<|assistant_start|>' + text + '<|assistant_end|>' -}}
+{%- else -%}
+{{- '<|user_start|>' + (ns.pending + '\\n\\n' if ns.pending else '') + text + '<|user_end|>' -}}
+{%- set ns.pending = '' -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if ns.pending -%}
+{{- '<|user_start|>' + ns.pending + '<|user_end|>' -}}
+{%- endif -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant_start|>' -}}
+{%- endif -%}
+"""
+
+
+def recognizes(path: str) -> bool:
+    """A directory holding a nanochat run in one of the layouts ``load_checkpoint`` reads."""
+    from .checkpoint import looks_like_nanochat
+
+    return Path(path).is_dir() and looks_like_nanochat(path)
+
+
+def open_checkpoint(path: str, settings: ServerSettings) -> GGUFFile:
+    """Read the checkpoint at ``path`` and present it as a GGUF in memory."""
+    from .checkpoint import load_checkpoint
+    from .view import build_view
+
+    extra = settings.extra
+    load_type = extra.get("load_type") or "q8_0"
+    if load_type not in LOAD_TYPES:
+        raise CheckpointError(f"load type {load_type!r}: one of {', '.join(LOAD_TYPES)}")
+    try:
+        ckpt = load_checkpoint(
+            path,
+            step=extra.get("step"),
+            tokenizer=extra.get("tokenizer"),
+            source=extra.get("source"),
+        )
+    except CheckpointError as exc:
+        raise GGUFError(str(exc)) from None
+    metadata: dict[str, Any] = dict(ckpt.vocab.metadata())
+    types = list(metadata["tokenizer.ggml.token_type"])
+    tokens = metadata["tokenizer.ggml.tokens"]
+    for i, text in enumerate(tokens):
+        if text in TOOL_MARKERS:
+            types[i] = TokenType.USER_DEFINED
+    metadata["tokenizer.ggml.token_type"] = types
+    metadata["tokenizer.chat_template"] = CHAT_TEMPLATE
+    view = build_view(
+        ckpt.config, ckpt.tensors, path=ckpt.model_file, weights=load_type, metadata=metadata
+    )
+    view.model_id = getattr(ckpt, "model_id", None)
+    return view
+
+
+def conventions(gguf: GGUFFile) -> FamilyConventions:
+    """Stops at ``<|assistant_end|>`` and ``<|bos|>``; the calculator answered in place."""
+    return FamilyConventions(
+        capabilities=CAPABILITIES,
+        sampling=SAMPLING,
+        extra_stop_tokens=("<|bos|>",),
+        continuation=Calculator(Tokenizer.from_gguf(gguf)),
+    )
+
+
+class Calculator:
+    """nanochat's calculator tool: when the model closes ``<|python_start|>expr<|python_end|>``
+    and ``expr`` is what nanochat's engine evaluates (arithmetic, or a string's ``.count``),
+    ``<|output_start|>result<|output_end|>`` is written after it; anything else is left
+    unanswered, as nanochat's engine does. ``calculator.evaluate`` never runs code."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        ids = [tokenizer.token_id(t) for t in TOOL_MARKERS]
+        self.ids = None if None in ids else ids
+
+    def __call__(self, tokens: Sequence[int]) -> list[int]:
+        if self.ids is None or not tokens:
+            return []
+        start, end, out_start, out_end = self.ids
+        if tokens[-1] != end:
+            return []
+        for i in range(len(tokens) - 2, -1, -1):
+            if tokens[i] == start:
+                break
+            if tokens[i] == end:
+                return []  # a closing marker without its opening one
+        else:
+            return []
+        expr = list(tokens[i + 1 : -1])
+        if not expr:
+            return []
+        result = calculator.evaluate(self.tokenizer.decode(expr))
+        if result is None:
+            return []
+        return [out_start, *self.tokenizer.encode(result, add_special=False), out_end]
+
+
+FAMILY = Family(
+    "nanochat",
+    model="lmserve_nanochat.model:NanochatModel",
+    conventions=conventions,
+    open=open_checkpoint,
+    backends=[
+        BackendSpec(
+            "nanochat",
+            (ARCHITECTURE,),
+            "nanochat checkpoints (its own .pt + meta.json, model.safetensors + tokenizer.bin, "
+            "or the Hugging Face layout)",
+            recognizes=recognizes,
+        )
+    ],
+)
+create_backend = FAMILY.create_backend
+register_backends = FAMILY.register_backends
