@@ -262,6 +262,14 @@ _REGEXES_BY_TYPES: dict[str, tuple[str, ...]] = {
         ),
     ),
     "whitespace": ("\\S+",),
+    # not llama.cpp's: nanochat's SPLIT_PATTERN (nanochat/tokenizer.py, GPT-4's with digits by
+    # up to two), for the vocabularies lmserve-nanochat reads from nanochat's own files
+    "nanochat": (
+        (
+            "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}+|\\p{N}{1,2}|"
+            " ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"
+        ),
+    ),
     "default": (
         "[\\p{P}\\$\\+<=>\\^~\\|]+",
         "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
@@ -369,6 +377,9 @@ _names("mellum2", "mellum2")
 _MASK_LSTRIP_PRES = ("jina-v2-de", "jina-v2-es", "jina-v2-code")
 # Every tokenizer.ggml.pre name llama.cpp knows, in the order of its chain.
 PRE_TOKENIZER_NAMES: tuple[str, ...] = tuple(_PRE_NAMES)
+# lmserve's own names, for vocabularies that come without a GGUF file: tiktoken's encodings
+# take a piece that is a token as that token (ignore merges) and clean no spaces.
+_names("nanochat", "nanochat", ignore_merges=True, clean_spaces=False)
 
 # What llama.cpp runs in C++ instead of some of those regexes, as regexes to the same effect:
 # expression -> (regex, how tokenizers' Split keeps the matches).
