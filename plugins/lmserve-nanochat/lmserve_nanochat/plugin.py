@@ -91,7 +91,10 @@ def open_checkpoint(path: str, settings: ServerSettings) -> GGUFFile:
         )
     except CheckpointError as exc:
         raise GGUFError(str(exc)) from None
-    metadata: dict[str, Any] = dict(ckpt.vocab.metadata())
+    metadata: dict[str, Any] = dict(ckpt.vocab.gguf_metadata())
+    # a raw prompt starts with <|bos|> as nanochat's engine prepends it (the chat template
+    # writes it too: the one it writes is then dropped, as for every vocabulary adding one)
+    metadata["tokenizer.ggml.add_bos_token"] = True
     types = list(metadata["tokenizer.ggml.token_type"])
     tokens = metadata["tokenizer.ggml.tokens"]
     for i, text in enumerate(tokens):
@@ -102,8 +105,19 @@ def open_checkpoint(path: str, settings: ServerSettings) -> GGUFFile:
     view = build_view(
         ckpt.config, ckpt.tensors, path=ckpt.model_file, weights=load_type, metadata=metadata
     )
-    view.model_id = getattr(ckpt, "model_id", None)
+    view.model_id = model_id(ckpt.model_file)
     return view
+
+
+def model_id(model_file: Path) -> str:
+    """``nanochat-d20-chatsft-000650`` for ``chatsft_checkpoints/d20/model_000650.pt``; the
+    directory's name for the other layouts."""
+    parts = model_file.parts
+    if model_file.suffix == ".pt" and len(parts) >= 3:
+        kind = parts[-3].removesuffix("_checkpoints")
+        step = model_file.stem.removeprefix("model_")
+        return f"nanochat-{parts[-2]}-{kind}-{step}"
+    return model_file.parent.name or "nanochat"
 
 
 def conventions(gguf: GGUFFile) -> FamilyConventions:
