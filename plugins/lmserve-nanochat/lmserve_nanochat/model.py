@@ -173,6 +173,8 @@ class NanochatModel(NativeForwardModel, native=_forward, config=NanochatModelCon
     ) -> list[np.ndarray]:
         """One weight pass over several sequences (see NativeForwardModel.forward_batch)."""
         checked = [self._check_call(cache, tokens, pos) for cache, tokens, pos in rows]
+        if len(rows) > self.n_batch:  # more rows than tokens a batch takes
+            raise ValueError(f"{len(rows)} sequences exceed the batch of {self.n_batch}")
         with self._calls:
             self._previous([(cache, pos) for (cache, _, _), (_, pos) in zip(rows, checked,
                                                                              strict=True)])
