@@ -286,7 +286,10 @@ def test_rope_rows_match_reference(mode: Any, rng: np.random.Generator) -> None:
 @pytest.mark.parametrize("act", list(K.Activation), ids=lambda a: a.name)
 def test_glu_rows_match_single_thread_op(act: Any, rng: np.random.Generator) -> None:
     gate, up = (rng.standard_normal(50_001).astype(np.float32) for _ in range(2))
-    single = K.silu_mul(gate, up) if act == K.Activation.SILU else K.gelu_mul(gate, up)
+    if act == K.Activation.RELU2:
+        single = np.square(np.maximum(gate, 0)) * up
+    else:
+        single = K.silu_mul(gate, up) if act == K.Activation.SILU else K.gelu_mul(gate, up)
     with K.Pool(2) as pool:
         np.testing.assert_array_equal(K.glu_rows(gate, up, act, pool), single)
 

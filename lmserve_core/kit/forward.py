@@ -525,13 +525,17 @@ class NativeForwardModel:
     # family's struct the docstring names; ``fields`` maps such a name to the struct's own
     # where they differ. ``p`` is the block's prefix ("blk.{i}.").
 
-    def io_tensors(self, w: Any, *, fields: Mapping[str, str] | None = None) -> None:
-        """``token_embd`` (n_vocab, n_embd), ``output_norm`` (n_embd) and ``output``
-        (n_vocab, n_embd): output.weight, or token_embd.weight when the file ties the
-        output to the embedding (no output.weight)."""
+    def io_tensors(
+        self, w: Any, *, output_norm: bool = True, fields: Mapping[str, str] | None = None
+    ) -> None:
+        """``token_embd`` (n_vocab, n_embd), ``output_norm`` (n_embd; ``output_norm=False``:
+        none, the field left NULL: a norm without weight) and ``output`` (n_vocab, n_embd):
+        output.weight, or token_embd.weight when the file ties the output to the embedding
+        (no output.weight)."""
         d, v = self.config.n_embd, self.n_vocab
         self.matrix(_field(w, "token_embd", fields), "token_embd.weight", (v, d))
-        _set(w, "output_norm", fields, self.floats("output_norm.weight", (d,)))
+        if output_norm:
+            _set(w, "output_norm", fields, self.floats("output_norm.weight", (d,)))
         tied = "output.weight" not in self.gguf.tensors
         output = "token_embd.weight" if tied else "output.weight"
         self.matrix(_field(w, "output", fields), output, (v, d))
@@ -549,6 +553,7 @@ class NativeForwardModel:
         fused: bool = False,
         kv: bool = True,
         v_optional: bool = False,
+        norm: str | None = "attn_norm",
         post_norm: str | None = None,
         fields: Mapping[str, str] | None = None,
     ) -> None:
@@ -567,11 +572,14 @@ class NativeForwardModel:
           of its own (attn_k, attn_v, attn_k_norm, when the file has them, are marked read).
         - ``v_optional``: without attn_v, ``wv`` is left without data (the values are the
           keys' projection).
+        - ``norm``: the name of the input norm (None: a norm without weight, ``attn_norm``
+          left NULL).
         - ``post_norm``: the name of a norm of the attention output, into ``post_attn_norm``.
         """
         d = self.config.n_embd
         has = self.gguf.tensors.__contains__
-        _set(layer, "attn_norm", fields, self.floats(p + "attn_norm.weight", (d,)))
+        if norm is not None:
+            _set(layer, "attn_norm", fields, self.floats(p + norm + ".weight", (d,)))
         if fused and has(p + "attn_qkv.weight"):
             self.matrix(_field(layer, "wqkv", fields), p + "attn_qkv.weight",
                         (q_dim + 2 * kv_dim, d), cuts=(q_dim, q_dim + kv_dim))
@@ -607,16 +615,19 @@ class NativeForwardModel:
         *,
         norm: str | None = "ffn_norm",
         post_norm: str | None = None,
+        gated: bool = True,
         fields: Mapping[str, str] | None = None,
     ) -> None:
-        """A block's gated MLP into ``layer`` (an ``lm_ffn_tensors``, or a struct with its
+        """A block's MLP into ``layer`` (an ``lm_ffn_tensors``, or a struct with its
         field names; ``fields`` renames them): ``ffn_norm`` from the tensor named ``norm`` (n_embd; None:
-        none), ``ffn_gate`` and ``ffn_up`` (n_ff, n_embd), ``ffn_down`` (n_embd, n_ff);
-        ``post_norm``: the name of a norm of the output, into ``post_ffn_norm``."""
+        none), ``ffn_gate`` (unless ``gated`` is false: left without data, an ungated MLP)
+        and ``ffn_up`` (n_ff, n_embd), ``ffn_down`` (n_embd, n_ff); ``post_norm``: the name
+        of a norm of the output, into ``post_ffn_norm``."""
         d = self.config.n_embd
         if norm is not None:
             _set(layer, "ffn_norm", fields, self.floats(p + norm + ".weight", (d,)))
-        self.matrix(_field(layer, "ffn_gate", fields), p + "ffn_gate.weight", (n_ff, d))
+        if gated:
+            self.matrix(_field(layer, "ffn_gate", fields), p + "ffn_gate.weight", (n_ff, d))
         self.matrix(_field(layer, "ffn_up", fields), p + "ffn_up.weight", (n_ff, d))
         self.matrix(_field(layer, "ffn_down", fields), p + "ffn_down.weight", (d, n_ff))
         if post_norm is not None:

@@ -114,6 +114,15 @@ typedef struct {
     int act;
 } glu_job;
 
+/* act(x) of one value: relu2 everywhere, SiLU and GELU (tanh) of an ungated feed-forward
+ * (the gated ones run the vector kernels) */
+static float act_one(float x, int act) {
+    if (act == LM_ACT_RELU2) return x > 0.0f ? x * x : 0.0f;
+    if (act == LM_ACT_GELU_TANH)
+        return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    return x / (1.0f + expf(-x));
+}
+
 static void glu_run(void *ctx, int ith, int nth) {
     const glu_job *j = ctx;
     int64_t lo, hi;
@@ -121,7 +130,10 @@ static void glu_run(void *ctx, int ith, int nth) {
     lo &= ~(int64_t)15; /* vector-aligned slices: same rounding whatever the split */
     hi = ith == nth - 1 ? j->n : hi & ~(int64_t)15;
     if (lo >= hi) return;
-    if (j->act == LM_ACT_GELU_TANH) {
+    if (j->up == NULL || j->act == LM_ACT_RELU2) {
+        for (int64_t i = lo; i < hi; i++)
+            j->out[i] = act_one(j->gate[i], j->act) * (j->up != NULL ? j->up[i] : 1.0f);
+    } else if (j->act == LM_ACT_GELU_TANH) {
         lm_gelu_mul(j->out + lo, j->gate + lo, j->up + lo, hi - lo);
     } else {
         lm_silu_mul(j->out + lo, j->gate + lo, j->up + lo, hi - lo);
@@ -130,8 +142,8 @@ static void glu_run(void *ctx, int ith, int nth) {
 
 int lm_glu_rows(lm_pool *pool, float *out, const float *gate, const float *up, int64_t n,
                 int act) {
-    if (n < 0 || (act != LM_ACT_SILU && act != LM_ACT_GELU_TANH) ||
-        (n > 0 && (out == NULL || gate == NULL || up == NULL)))
+    if (n < 0 || (act != LM_ACT_SILU && act != LM_ACT_GELU_TANH && act != LM_ACT_RELU2) ||
+        (n > 0 && (out == NULL || gate == NULL)))
         return LM_EINVAL;
     glu_job j = {out, gate, up, n, act};
     lm_pool_run(n >= ROW_OP_MIN_ELEMS ? pool : NULL, glu_run, &j);
@@ -391,6 +403,26 @@ int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float 
     return row0 >= r0 + n ? LM_OK : LM_EINVAL;
 }
 
+/* v (n, n_kv_head * head_dim) += each kv head's gate times its part of the rows `extra`
+ * (lm_attn.v_extra), the gates read from x (n, D), the block's normed input. */
+static void value_residual(const lm_attn *a, const float *x, const float *extra, int64_t n,
+                           int64_t D, float *v) {
+    const int64_t HD = a->head_dim, KVD = (int64_t)a->n_kv_head * HD;
+    for (int64_t t = 0; t < n; t++) {
+        const float *xt = x + t * D, *et = extra + t * a->v_extra_stride;
+        for (int h = 0; h < a->n_kv_head; h++) {
+            float g = 1.0f;
+            if (a->v_gate != NULL) {
+                const float *w = a->v_gate + (int64_t)h * a->v_gate_cols;
+                float dot = 0.0f;
+                for (int c = 0; c < a->v_gate_cols; c++) dot += w[c] * xt[c];
+                g = a->v_gate_scale / (1.0f + expf(-dot));
+            }
+            lm_kernels_active()->axpy_f32(v + t * KVD + h * HD, g, et + h * HD, HD);
+        }
+    }
+}
+
 /* y (n, n_embd) = self-attention of normed x (n, n_embd), rows [r0, r0 + n) of the chunk. */
 static int attention_rows(lm_base *b, const lm_attn *a, int layer, const float *x, int64_t r0,
                           int64_t n, float *y) {
@@ -436,6 +468,7 @@ static int attention_rows(lm_base *b, const lm_attn *a, int layer, const float *
         add_bias(k, a->bk, n, KVD);
         if (a->wv.data == NULL) memcpy(v, k, sizeof(float) * (size_t)(n * KVD));
         add_bias(v, a->bv, n, KVD);
+        if (a->v_extra != NULL) value_residual(a, x, a->v_extra + r0 * a->v_extra_stride, n, D, v);
     }
     if (a->q_norm != NULL)
         LM_TRY(lm_rmsnorm_rows(pool, q, q, a->q_norm, n * a->n_head, a->head_dim, a->norm_eps));
@@ -461,13 +494,19 @@ int lm_glu_ffn(lm_base *b, const lm_ffn *f, const float *x, int64_t ntok, float 
         return LM_EINVAL;
     if (ntok == 0) return LM_OK;
     const int64_t D = b->n_embd, FF = f->n_ff;
+    const int gated = f->gate.data != NULL;
     float *hb, *hb2;
     float **bufs[] = {&hb, &hb2};
-    const int64_t lens[] = {ntok * FF, ntok * FF};
+    const int64_t lens[] = {ntok * FF, gated ? ntok * FF : 0};
     LM_TRY(carve(b, 2, bufs, lens));
-    const lm_mm gu[2] = {{f->gate, FF, D, x, hb}, {f->up, FF, D, x, hb2}};
-    LM_TRY(lm_matmuls(b->pool, gu, 2, ntok));
-    LM_TRY(lm_glu_rows(b->pool, hb, hb, hb2, ntok * FF, f->act));
+    if (gated) {
+        const lm_mm gu[2] = {{f->gate, FF, D, x, hb}, {f->up, FF, D, x, hb2}};
+        LM_TRY(lm_matmuls(b->pool, gu, 2, ntok));
+    } else {
+        const lm_mm up = {f->up, FF, D, x, hb};
+        LM_TRY(lm_matmuls(b->pool, &up, 1, ntok));
+    }
+    LM_TRY(lm_glu_rows(b->pool, hb, hb, gated ? hb2 : NULL, ntok * FF, f->act));
     return lm_matmul(b->pool, f->down.type, f->down.data, D, FF, hb, ntok, y);
 }
 
@@ -805,6 +844,11 @@ static int attn_ok(const lm_block *blocks, int l, int64_t D) {
     if (a->rope != NULL && (a->rope->n_rot > a->head_dim || a->rope->n_rot % 2 != 0))
         return LM_EINVAL;
     if (a->gated != 0 && (a->gated != 1 || a->bq != NULL)) return LM_EINVAL;
+    if (a->v_extra != NULL &&
+        (a->kv_shared != 0 || a->v_extra_stride < (int64_t)a->n_kv_head * a->head_dim ||
+         (a->v_gate != NULL && (a->v_gate_cols <= 0 || a->v_gate_cols > D)) ||
+         !isfinite(a->v_gate_scale)))
+        return LM_EINVAL;
     if (!matrix_ok(a->wq, D) || !matrix_ok(a->wo, qd)) return LM_ETYPE;
     if (a->kv_shared > 0) {
         /* the source: an attention layer with keys and values of its own, of these heads */
@@ -820,8 +864,9 @@ static int attn_ok(const lm_block *blocks, int l, int64_t D) {
 }
 
 static int ffn_ok(const lm_ffn *f, int64_t D) {
-    if (f->n_ff <= 0) return LM_EINVAL;
-    if (!matrix_ok(f->gate, D) || !matrix_ok(f->up, D) || !matrix_ok(f->down, f->n_ff))
+    if (f->n_ff <= 0 || f->act < LM_ACT_SILU || f->act > LM_ACT_RELU2) return LM_EINVAL;
+    if ((f->gate.data != NULL && !matrix_ok(f->gate, D)) || !matrix_ok(f->up, D) ||
+        !matrix_ok(f->down, f->n_ff))
         return LM_ETYPE;
     return LM_OK;
 }
@@ -856,7 +901,7 @@ static int block_ffn_ok(const lm_block *blk, int64_t D) {
 }
 
 int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
-    if (b == NULL || d == NULL || d->blocks == NULL || d->output_norm == NULL ||
+    if (b == NULL || d == NULL || d->blocks == NULL ||
         !isfinite(d->embd_scale) || !(d->logit_softcap >= 0.0f) || d->n_ext < 0 ||
         (d->n_ext > 0 && b->ext == NULL))
         return LM_EINVAL;
@@ -864,7 +909,7 @@ int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
     if (!matrix_ok(d->token_embd, D) || !matrix_ok(d->output, D)) return LM_ETYPE;
     for (int l = 0; l < b->n_layer; l++) {
         const lm_block *blk = &d->blocks[l];
-        if (blk->attn_norm == NULL || blk->ffn_norm == NULL || !(blk->norm_eps >= 0.0f) ||
+        if (!(blk->norm_eps >= 0.0f) ||
             (blk->mixer != LM_MIXER_ATTENTION && blk->mixer != LM_MIXER_DELTANET) ||
             (blk->out_scale != NULL && !isfinite(blk->out_scale[0])))
             return LM_EINVAL;

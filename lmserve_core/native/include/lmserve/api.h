@@ -13,7 +13,7 @@
 
 #include "lmserve/types.h"
 
-#define LM_KIT_ABI 5
+#define LM_KIT_ABI 6
 
 #define LM_KIT_INT(X)                                                                              \
     X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \

@@ -119,7 +119,8 @@ int lm_rmsnorm_rows(lm_pool *pool, float *out, const float *x, const float *w, i
 /* RoPE in place on x (ntok, n_heads, head_dim); token t sits at position pos0 + t. */
 int lm_rope_rows(lm_pool *pool, float *x, int64_t ntok, int n_heads, int head_dim, int64_t pos0,
                  const lm_rotary *rope);
-/* out = act(gate) * up over n elements; out may alias gate. */
+/* out = act(gate) * up over n elements, or act(gate) alone when up is NULL; out may alias
+ * gate. */
 int lm_glu_rows(lm_pool *pool, float *out, const float *gate, const float *up, int64_t n,
                 int act);
 int lm_add_rows(float *y, const float *x, int64_t n);   /* y += x */

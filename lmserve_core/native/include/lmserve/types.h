@@ -77,8 +77,9 @@ enum lm_decode_rows { LM_DECODE_MAX_ROWS = 15 };
 /* Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2). */
 enum lm_rope_mode { LM_ROPE_NORMAL = 0, LM_ROPE_NEOX = 2 };
 
-/* Gate activation of a gated feed-forward: act(gate) * up. */
-enum lm_act { LM_ACT_SILU = 0, LM_ACT_GELU_TANH = 1 };
+/* Activation of a feed-forward: act(gate) * up when gated, act(up) alone otherwise;
+ * RELU2 is relu(x)^2 (nanochat's). */
+enum lm_act { LM_ACT_SILU = 0, LM_ACT_GELU_TANH = 1, LM_ACT_RELU2 = 2 };
 
 /* How a mixture-of-experts router turns its logits into expert weights. */
 enum lm_gating { LM_GATING_SOFTMAX = 0, LM_GATING_SIGMOID = 1 };
@@ -171,6 +172,16 @@ typedef struct lm_attn {
                                n > 0: none, it attends to the cache of layer (its own - n), an
                                attention layer with its own of the same heads, head width and
                                window */
+    /* A value residual (ResFormer's value embeddings): a vector of n_kv_head * head_dim floats
+     * per row of the chunk added to the row's values (after bv and before v_norm), kv head h's
+     * part times its gate v_gate_scale * sigmoid(v_gate[h] . x[:v_gate_cols]), x the block's
+     * normed input. The family fills the rows (e.g. in its decoder's ext rows, from a table
+     * indexed by the chunk's tokens) before the block runs. Not with kv_shared. */
+    const float *v_extra;   /* row r of the chunk at v_extra + r * v_extra_stride; NULL: none */
+    int64_t v_extra_stride; /* floats from one row to the next */
+    const float *v_gate;    /* (n_kv_head, v_gate_cols) f32; NULL: every gate is 1 */
+    int v_gate_cols;        /* <= the model width */
+    float v_gate_scale;
 } lm_attn;
 
 /* How a gated DeltaNet's value heads find their key head (n_v_head a multiple of n_k_head,
@@ -209,9 +220,10 @@ typedef struct lm_deltanet {
     float norm_eps;         /* of the output norm and of the l2 norms */
 } lm_deltanet;
 
-/* A gated feed-forward: down . (act(gate . x) * (up . x)). */
+/* A gated feed-forward: down . (act(gate . x) * (up . x)); without gate (data NULL) a plain
+ * MLP: down . act(up . x). */
 typedef struct lm_ffn {
-    lm_matrix gate;         /* (n_ff, n_embd) */
+    lm_matrix gate;         /* (n_ff, n_embd); data NULL: ungated */
     lm_matrix up;           /* (n_ff, n_embd) */
     lm_matrix down;         /* (n_embd, n_ff) */
     int64_t n_ff;
@@ -248,6 +260,7 @@ enum lm_mixer { LM_MIXER_ATTENTION = 0, LM_MIXER_DELTANET = 1 };
 
 /* A pre-norm decoder block:  x += post_attn_norm(mixer(rmsnorm(x) * attn_norm))
  *                            x += post_ffn_norm(ffn(rmsnorm(x) * ffn_norm))   (or the experts)
+ * attn_norm or ffn_norm NULL: that norm has no weight (rmsnorm(x) alone).
  * The post norms (Gemma's "sandwich") are skipped when NULL. With experts and ffn_parallel,
  * the dense ffn and the experts run side by side, each with its own norms:
  *   x += post_ffn_norm(post_dense_norm(ffn(rmsnorm(x) * ffn_norm))
@@ -256,12 +269,12 @@ enum lm_mixer { LM_MIXER_ATTENTION = 0, LM_MIXER_DELTANET = 1 };
  * after the decoder's after_block hook). */
 typedef struct lm_block {
     float norm_eps;           /* of every norm of the block */
-    const float *attn_norm;   /* (n_embd) */
+    const float *attn_norm;   /* (n_embd); NULL: no weight */
     int mixer;                /* enum lm_mixer */
     lm_attn attn;             /* LM_MIXER_ATTENTION */
     lm_deltanet delta;        /* LM_MIXER_DELTANET */
     const float *post_attn_norm; /* (n_embd) RMS norm of the attention output, or NULL */
-    const float *ffn_norm;    /* (n_embd) */
+    const float *ffn_norm;    /* (n_embd); NULL: no weight */
     lm_ffn ffn;               /* used when moe.n_expert == 0 */
     lm_moe moe;               /* n_expert > 0: a mixture of experts instead of ffn */
     lm_ffn shexp;             /* with experts, n_ff > 0: a shared expert every token goes
@@ -287,7 +300,7 @@ typedef struct lm_block {
 typedef struct lm_decoder {
     lm_matrix token_embd;     /* (n_vocab, n_embd) */
     const lm_block *blocks;   /* (n_layer) */
-    const float *output_norm; /* (n_embd) */
+    const float *output_norm; /* (n_embd); NULL: the output norm has no weight */
     lm_matrix output;         /* (n_vocab, n_embd); token_embd when tied */
     float norm_eps;           /* of the output norm */
     float embd_scale;         /* multiplies the embeddings (Gemma: sqrt(n_embd)); 0: none */
