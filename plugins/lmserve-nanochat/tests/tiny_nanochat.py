@@ -194,8 +194,13 @@ class TinyModel:
 
 
 def tiny_model(kind: str) -> TinyModel:
+    return tiny_model_of(SPECS[kind])
+
+
+def tiny_model_of(spec: Spec) -> TinyModel:
+    """The tiny model of ``spec`` (a kind's spec with another geometry or vocabulary)."""
     torch = _torch()
-    spec = SPECS[kind]
+    kind = spec.kind
     path, state = _cached_state(spec)
     module = _empty_module(spec)
     module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
