@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step", type=int, help="the checkpoint's training step (default: the latest)")
     c.add_argument(
         "--source",
-        choices=["base", "sft", "rl"],
-        help="which of a nanochat base dir's checkpoints: base_, chatsft_ or chatrl_checkpoints "
-        "(default: sft, then rl, then base, the first present)",
+        choices=["base", "mid", "sft", "rl"],
+        help="which of a nanochat base dir's checkpoints: base_, mid_, chatsft_ or "
+        "chatrl_checkpoints (default: sft, then rl, then mid, then base, the first present)",
     )
     c.add_argument(
         "--tokenizer", metavar="PATH", help="the checkpoint's tokenizer, when it is not beside it"
