@@ -5,6 +5,7 @@ tokenizer's (``vocab_fixtures``). Written once per machine under ``cache_dir()``
 
 from __future__ import annotations
 
+import codecs
 import json
 import shutil
 import tempfile
@@ -12,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tiny_nanochat import SPECS, TinyModel, _native_config, tiny_model_of
-from vocab_fixtures import VOCAB_SIZE, make_tokenizer
+from vocab_fixtures import VOCAB_SIZE, encoding, make_tokenizer
 
 from lmserve_core.testing.assets import cache_dir
 
@@ -46,3 +47,28 @@ def native_run(kind: str = "smear") -> tuple[Path, TinyModel]:
         except OSError:  # written meanwhile by another run: the same files
             shutil.rmtree(tmp, ignore_errors=True)
     return base, model
+
+
+TOOL_MARKERS = ("<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
+
+
+def reference_reply(model: TinyModel, turns: list[tuple[str, str]], max_tokens: int) -> str:
+    """The reference's greedy reply to a conversation of (role, text) turns ("user" or
+    "assistant"), rendered as nanochat renders it, as the client sees it: up to the end of
+    the turn, control tokens hidden, the calculator's markers shown, and a character the
+    token budget cut in two dropped (a random model's reply is seldom valid UTF-8)."""
+    enc = encoding()
+    special = enc._special_tokens  # noqa: SLF001 (tiktoken keeps them there)
+    ids = [special["<|bos|>"]]
+    for role, text in turns:
+        ids += [special[f"<|{role}_start|>"], *enc.encode_ordinary(text), special[f"<|{role}_end|>"]]
+    ids.append(special["<|assistant_start|>"])
+    ends = {special["<|assistant_end|>"], special["<|bos|>"]}
+    hidden = {i for name, i in special.items() if name not in TOOL_MARKERS}
+    out = b""
+    for t in model.greedy(ids, max_tokens):
+        if t in ends:
+            break
+        if t not in hidden:
+            out += enc.decode_single_token_bytes(t)
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(out)

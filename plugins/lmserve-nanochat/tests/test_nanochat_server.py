@@ -6,7 +6,6 @@ to the first user message), and a directory given without ``--nanochat`` is reco
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,15 +22,13 @@ pytest.importorskip("torch")
 pytest.importorskip("tiktoken")
 pytest.importorskip("rustbpe")
 
-from runs import STEP, native_run  # noqa: E402
-from vocab_fixtures import encoding  # noqa: E402
+from runs import STEP, native_run, reference_reply  # noqa: E402
 
 from lmserve_core import cli  # noqa: E402
 
 MAX_TOKENS = 24
 SYSTEM = "Answer in one word."
 QUESTION = "What colour is the sky over the sea at noon?"
-TOOL_MARKERS = ("<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
 
 
 @pytest.fixture(scope="module")
@@ -52,29 +49,7 @@ def server(run: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def expected(run: tuple[Path, Any], user: str) -> str:
-    """The reference's greedy reply to one user turn, as the client sees it: up to the end of
-    the turn, control tokens hidden, the calculator's markers shown (a random model's reply
-    is seldom valid UTF-8: a character the budget cut in two is dropped, as the server does)."""
-    _, model = run
-    enc = encoding()
-    special = enc._special_tokens  # noqa: SLF001 (tiktoken keeps them there)
-    ids = [
-        special["<|bos|>"], special["<|user_start|>"], *enc.encode_ordinary(user),
-        special["<|user_end|>"], special["<|assistant_start|>"],
-    ]
-    reply = model.greedy(ids, MAX_TOKENS)
-    ends = {special["<|assistant_end|>"], special["<|bos|>"]}
-    hidden = {i for name, i in special.items() if name not in TOOL_MARKERS}
-    out: list[int] = []
-    for t in reply:
-        if t in ends:
-            break
-        if t not in hidden:
-            out.append(t)
-    # a character the token budget cut in two is dropped, not shown as U+FFFD
-    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(
-        b"".join(enc.decode_single_token_bytes(t) for t in out)
-    )
+    return reference_reply(run[1], [("user", user)], MAX_TOKENS)
 
 
 def test_models_names_the_run(server: RunningServer) -> None:
