@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -457,6 +458,71 @@ def list_plugins_command() -> int:
     return 0
 
 
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def convert_command(argv: Sequence[str]) -> int:
+    """``lmserve convert HF_DIR OUT.gguf``: a transformers checkpoint of an architecture that
+    an installed plugin converts, written as the GGUF its family serves."""
+    parser = argparse.ArgumentParser(
+        prog="lmserve convert",
+        description="Convert a transformers checkpoint (config.json + safetensors) to the GGUF "
+        "layout its lmserve family serves, for architectures llama.cpp's converter does not "
+        "know. `lmserve convert --list` names them.",
+    )
+    parser.add_argument("hf_dir", nargs="?", help="the checkpoint's directory")
+    parser.add_argument("out", nargs="?", help="the GGUF file to write")
+    parser.add_argument("--outtype", choices=OUTTYPES, default="f16",
+                        help="type of the matrices (default f16; norms and vectors stay f32)")
+    parser.add_argument("--list", action="store_true", help="the architectures installed")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE")
+    args = parser.parse_args(argv)
+    logs.configure("warning")
+    for module in args.plugin:
+        plugins.load_module_plugin(module)
+    found = plugins.converters()
+    if args.list:
+        for spec in sorted(found.values(), key=lambda s: s.architecture):
+            print(f"{spec.architecture}  plugin: {spec.plugin}  {spec.description}".rstrip())
+        return 0
+    if not args.hf_dir or not args.out:
+        parser.error("HF_DIR and OUT are required")
+    try:
+        architecture = _hf_architecture(Path(args.hf_dir))
+        spec = found.get(architecture)
+        if spec is None:
+            known = ", ".join(sorted(found)) or "none installed"
+            raise UsageError(
+                f"no installed plugin converts {architecture} (converters: {known}); "
+                "llama.cpp's convert_hf_to_gguf.py converts the architectures it knows"
+            )
+        if Path(args.out).is_dir():
+            raise UsageError(f"{args.out} is a directory: give the GGUF file's path")
+        written = spec.convert(Path(args.hf_dir), Path(args.out), args.outtype)
+    except UsageError as exc:
+        print(f"lmserve convert: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"lmserve convert: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {written}")
+    return 0
+
+
+def _hf_architecture(hf_dir: Path) -> str:
+    config = hf_dir / "config.json"
+    if not config.is_file():
+        raise UsageError(f"{hf_dir}: no config.json (a transformers checkpoint directory)")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{config}: not readable JSON: {exc}") from None
+    archs = data.get("architectures") if isinstance(data, dict) else None
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise UsageError(f"{config}: no architectures list")
+    return archs[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plugins"]:
@@ -467,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for module in args.plugin:
             plugins.load_module_plugin(module)
         return list_plugins_command()
+    if argv[:1] == ["convert"]:
+        return convert_command(argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, log_format=args.log_format)
     try:

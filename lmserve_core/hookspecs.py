@@ -22,6 +22,13 @@ def register_backends(register: Any) -> None:
     """Register backends: call ``register(name, factory, architectures=..., ...)``."""
 
 
+@hookspec
+def register_converters(register: Any) -> None:
+    """Register converters of transformers checkpoints to GGUF (``lmserve convert``): call
+    ``register(architecture, convert, description=...)`` with an ``architectures`` entry of a
+    ``config.json`` and ``convert(hf_dir: Path, out: Path, outtype: str) -> Path``."""
+
+
 # ---------------------------------------------------------------- startup / shutdown
 
 

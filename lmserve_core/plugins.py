@@ -189,6 +189,35 @@ def backend_for_architecture(architecture: str) -> BackendSpec | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class ConverterSpec:
+    """A converter of transformers checkpoints of one architecture to a GGUF file."""
+
+    architecture: str  # an ``architectures`` entry of a config.json
+    convert: Callable[..., Any]  # convert(hf_dir: Path, out: Path, outtype: str) -> Path
+    description: str
+    plugin: str
+
+
+def converters() -> dict[str, ConverterSpec]:
+    """Every converter registered through ``register_converters``, by architecture."""
+    load_plugins()
+    found: dict[str, ConverterSpec] = {}
+    for impl in pm.hook.register_converters.get_hookimpls():
+
+        def register(
+            architecture: str, convert: Callable[..., Any], *, description: str = "",
+            _plugin: str = impl.plugin_name,
+        ) -> None:
+            if architecture in found:
+                log.warning("converter_taken", architecture=architecture, plugin=_plugin)
+                return
+            found[architecture] = ConverterSpec(architecture, convert, description, _plugin)
+
+        impl.function(register=register)
+    return found
+
+
 def backend_for_path(path: str) -> BackendSpec | None:
     """The backend that recognises ``path`` as a model of its own that is not a GGUF file (a
     checkpoint directory); None when none does."""
