@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from tiny_nanochat import SPECS, TinyModel, _native_config, tiny_model_of
+from tiny_nanochat import SPECS, TinyModel, native_config, tiny_model
 from vocab_fixtures import VOCAB_SIZE, encoding, make_tokenizer
 
 from lmserve_core.testing.assets import cache_dir
@@ -25,7 +25,7 @@ def native_run(kind: str = "smear") -> tuple[Path, TinyModel]:
     """The base directory of a run whose sft checkpoint is the tiny ``kind`` model, and that
     model (its reference forward for comparisons)."""
     spec = replace(SPECS[kind], vocab_size=VOCAB_SIZE)
-    model = tiny_model_of(spec)
+    model = tiny_model(kind, spec)
     base = cache_dir() / "nanochat-runs" / f"{kind}-{RUNS_VERSION}-{model.path.stem}"
     if not (base / "done").exists():
         import torch
@@ -38,7 +38,7 @@ def native_run(kind: str = "smear") -> tuple[Path, TinyModel]:
         # so that the reference holds the same values: bf16 tensors are the reader's tests')
         state = {f"_orig_mod.{k}": torch.from_numpy(v.copy()) for k, v in model.tensors.items()}
         torch.save(state, ckpt / f"model_{STEP:06d}.pt")
-        meta = {"step": STEP, "model_config": _native_config(spec)}
+        meta = {"step": STEP, "model_config": native_config(spec)}
         (ckpt / f"meta_{STEP:06d}.json").write_text(json.dumps(meta))
         (tmp / "done").touch()
         base.parent.mkdir(parents=True, exist_ok=True)

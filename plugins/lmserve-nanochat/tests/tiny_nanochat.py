@@ -86,7 +86,8 @@ def _gpt_module(kind: str) -> Any:
     return gpt
 
 
-def _native_config(spec: Spec) -> dict[str, Any]:
+def native_config(spec: Spec) -> dict[str, Any]:
+    """gpt.py's GPTConfig of ``spec``: the ``model_config`` of a checkpoint's meta json."""
     return {
         "sequence_len": spec.sequence_len,
         "vocab_size": spec.vocab_size,
@@ -124,7 +125,7 @@ def _empty_module(spec: Spec) -> Any:
         return NanoChatForCausalLM(_hf_config(spec)).eval()
     gpt = _gpt_module(spec.kind)
     with torch.device("meta"):
-        model = gpt.GPT(gpt.GPTConfig(**_native_config(spec)))
+        model = gpt.GPT(gpt.GPTConfig(**native_config(spec)))
     model.to_empty(device="cpu")
     model.init_weights()
     return model.eval()
@@ -193,14 +194,11 @@ class TinyModel:
         return out[len(ids) :]
 
 
-def tiny_model(kind: str) -> TinyModel:
-    return tiny_model_of(SPECS[kind])
-
-
-def tiny_model_of(spec: Spec) -> TinyModel:
-    """The tiny model of ``spec`` (a kind's spec with another geometry or vocabulary)."""
+def tiny_model(kind: str, spec: Spec | None = None) -> TinyModel:
+    """The tiny model of ``kind`` (``SPECS``), or of ``spec`` (a variant of that kind)."""
     torch = _torch()
-    kind = spec.kind
+    spec = spec or SPECS[kind]
+    assert spec.kind == kind
     path, state = _cached_state(spec)
     module = _empty_module(spec)
     module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
@@ -216,7 +214,7 @@ def tiny_model_of(spec: Spec) -> TinyModel:
     else:
         tensors = dict(state)
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-        config = from_model_config(_native_config(spec), shapes, str(path))
+        config = from_model_config(native_config(spec), shapes, str(path))
         if kind == "ve32":
             # gpt.py caps the logits at 20 from aba30cb to 1076f97 (March 3-9, 2026), at 15
             # before and after: nothing in a state dict tells which

@@ -1,2 +1,2 @@
-"""nanochat's model code (vendored, MIT: see ../LICENSE.nanochat) and shims of the modules it
-imports, as the reference of lmserve-nanochat's tests."""
+"""nanochat's model code and inference engine (vendored, MIT: see ../LICENSE.nanochat) and
+shims of the modules they import, as the reference of lmserve-nanochat's tests."""
