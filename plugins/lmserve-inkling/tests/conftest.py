@@ -27,3 +27,8 @@ def gguf_f32(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     from lmserve_inkling.convert import convert
 
     return convert(checkpoint, tmp_path_factory.mktemp("inkling") / "tiny-f32.gguf")
+
+
+@pytest.fixture(scope="session")
+def inkling_tiny() -> object:
+    return tiny
