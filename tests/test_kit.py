@@ -517,3 +517,34 @@ def test_rope_scalings_match_transformers() -> None:
     np.testing.assert_allclose(llama3_inv_freq(1e6, 128, 8.0, 1.0, 4.0, 8192), inv, rtol=1e-6)
     inv, _ = reference("linear", factor=2.0)
     np.testing.assert_allclose(base_inv_freq(1e6, 128) / 2, inv, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ntok", [1, 3, 24])  # decode path, few tokens, tiled prefill path
+def test_attention_with_a_distance_bias(ntok: int, isa: Any, rng: np.random.Generator) -> None:
+    # bias[t, h, d] joins the scaled score of query (t, h) and the key d positions back, for d
+    # below the extent (a learned relative position bias); farther keys take none
+    n_ctx, heads, kv_heads, hd, extent = 40, 4, 2, 16, 6
+    pos0 = n_ctx - ntok
+    k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
+    q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
+    bias = rng.standard_normal((ntok, heads, extent)).astype(np.float32)
+    cache = K.Cache([(kv_heads, hd, hd)], n_ctx, "f32")
+    cache.write(0, 0, k, v)
+    kr, vr = (a.reshape(n_ctx, kv_heads, hd).astype(np.float64) for a in (k, v))
+    with K.Pool(2) as pool:
+        for window in (0, 4, 9):
+            want = np.zeros((ntok, heads, hd))
+            for t in range(ntok):
+                pos = pos0 + t
+                lo = max(0, pos - window + 1) if window else 0
+                for h in range(heads):
+                    s = kr[lo : pos + 1, h // 2] @ q[t, h].astype(np.float64) * 0.3
+                    d = pos - np.arange(lo, pos + 1)
+                    s[d < extent] += bias[t, h, d[d < extent]]
+                    p = np.exp(s - s.max())
+                    want[t, h] = p / p.sum() @ vr[lo : pos + 1, h // 2]
+            got = cache.attention(0, q, pos0, 0.3, window, 0.0, pool, bias=bias)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+            plain = cache.attention(0, q, pos0, 0.3, window, 0.0, pool)
+            zero = cache.attention(0, q, pos0, 0.3, window, 0.0, pool, bias=0 * bias)
+            np.testing.assert_array_equal(zero, plain)

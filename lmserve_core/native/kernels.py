@@ -843,17 +843,25 @@ class Cache:
 
     def attention(
         self, layer: int, q: npt.ArrayLike, pos0: int, scale: float, window: int = 0,
-        softcap: float = 0.0, pool: Pool | None = None,
+        softcap: float = 0.0, pool: Pool | None = None, bias: npt.ArrayLike | None = None,
     ) -> F32Array:
-        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok)."""
+        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok).
+
+        ``bias`` (ntok, n_head, extent): bias[t, h, d] is added to the scaled score of query
+        (t, h) and the key d positions before it, for d < extent.
+        """
         qs = _f32(q)
         if qs.ndim != 3:
             raise KernelValueError("q must be (ntok, n_head, head_dim)")
+        bs = None if bias is None else _f32(bias)
+        if bs is not None and (bs.ndim != 3 or bs.shape[:2] != qs.shape[:2] or not bs.shape[2]):
+            raise KernelValueError("bias must be (ntok, n_head, extent)")
         out = np.empty_like(qs)
         check(
-            lib.lm_attention_cached(
+            lib.lm_attention_cached_bias(
                 _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
                 qs.shape[1], float(scale), int(window), float(softcap),
+                ffi.NULL if bs is None else _fbuf(bs), 0 if bs is None else bs.shape[2],
             ),
             "attention_cached",
         )

@@ -32,6 +32,9 @@ typedef struct {
     int64_t ntok, pos0, window, n_ctx;
     int n_head, n_kv_head, head_dim;
     float scale, softcap;
+    const float *bias;      /* (ntok, n_head, bias_extent) added to the scaled scores by
+                               distance (query position - key position); NULL: none */
+    int64_t bias_extent;
     /* decode path */
     int64_t chunk;     /* keys per chunk; chunk c holds positions [c * chunk, c * chunk + chunk) */
     int64_t kc0;       /* first chunk any token sees */
@@ -87,6 +90,21 @@ static inline void token_keys(const attn_ctx *c, int64_t t, int64_t c0, int64_t 
     const int64_t pos = c->pos0 + t, wl = window_lo(c, pos);
     *lo = wl > c0 ? wl : c0;
     *hi = pos < c0 + c->chunk - 1 ? pos : c0 + c->chunk - 1;
+}
+
+/* Adds the distance bias of query (token t, head hq) to its scores s of positions j0 ..
+ * j0 + n - 1 (distances past the extent take none); the largest of them. */
+static float add_distance_bias(const attn_ctx *c, int64_t t, int hq, int64_t j0, int64_t n,
+                               float *s) {
+    const float *bq = c->bias + (t * c->n_head + hq) * c->bias_extent;
+    const int64_t pos = c->pos0 + t;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t d = pos - (j0 + j);
+        if (d >= 0 && d < c->bias_extent) s[j] += bq[d];
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    return mx;
 }
 
 /* Where an item reads its rows: the K or V cache, kv head kvh. */
@@ -257,6 +275,8 @@ static void attn_chunk_task(void *arg, int task, int n_tasks, int thread) {
                         continue;
                     }
                     float *sq = ss[i], m = mx[i];
+                    if (c->bias != NULL)
+                        m = add_distance_bias(c, u, kvh * group + (int)g, lo, n, sq);
                     if (c->softcap > 0.0f) {
                         m = -INFINITY;
                         for (int64_t j = 0; j < n; j++) {
@@ -406,8 +426,14 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
             float *srow = sbuf + j * span_max;
             const int64_t a = lo[j] - kbase, b = pos[j] - kbase; /* valid [a, b] */
             float mx = -INFINITY;
+            const int64_t jr = row0 + (j < nrows ? j : nrows - 1); /* padding: the last */
+            const float *bq = c->bias == NULL ? NULL
+                              : c->bias + ((jr / group) * c->n_head + h * group + jr % group) *
+                                              c->bias_extent;
             for (int64_t i = a; i <= b; i++) {
                 float sv = srow[i] * c->scale;
+                const int64_t d = pos[j] - (kbase + i);
+                if (bq != NULL && d < c->bias_extent) sv += bq[d];
                 if (c->softcap > 0.0f) {
                     sv = c->softcap * tanhf(sv / c->softcap);
                 }
@@ -480,6 +506,16 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
                        int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
                        int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
                        float softcap) {
+    return lm_attention_typed_bias(pool, q, k, v, kv_type, kv_stride, ring, out, ntok, pos0,
+                                   n_head, n_kv_head, head_dim, scale, window, softcap, NULL, 0);
+}
+
+int lm_attention_typed_bias(lm_pool *pool, const float *q, const void *k, const void *v,
+                            int kv_type, int64_t kv_stride, int64_t ring, float *out,
+                            int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
+                            float scale, int64_t window, float softcap, const float *bias,
+                            int64_t bias_extent) {
+    if ((bias != NULL) != (bias_extent > 0)) return LM_EINVAL;
     if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 || ring < 0 ||
         n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f) ||
         (kv_type != LM_F32 && kv_type != LM_F16) || kv_stride < (int64_t)n_kv_head * head_dim) {
@@ -509,6 +545,8 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
         .head_dim = head_dim,
         .scale = scale,
         .softcap = softcap,
+        .bias = bias,
+        .bias_extent = bias_extent,
     };
     lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
     if (ntok >= ATTN_TILED_MIN_TOKENS && c.k->nr <= 64) {

@@ -501,6 +501,16 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
                        int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0, int n_head,
                        int n_kv_head, int head_dim, float scale, int64_t window, float softcap);
 
+/* lm_attention_typed with an additive bias by distance: bias (ntok, n_head, bias_extent) adds
+ * bias[t, h, d] to the scaled score of query (t, h) and the key d positions before it, for
+ * d < bias_extent (before the softcap); farther keys take none. bias NULL with extent 0:
+ * none. */
+int lm_attention_typed_bias(lm_pool *pool, const float *q, const void *k, const void *v,
+                            int kv_type, int64_t kv_stride, int64_t ring, float *out,
+                            int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
+                            float scale, int64_t window, float softcap, const float *bias,
+                            int64_t bias_extent);
+
 /* ------------------------------------------------------------------ pool internals */
 /* Try to take exclusive use of the pool (its workers and scratch). 1 on success. */
 int lm_pool_acquire(lm_pool *pool);

@@ -94,7 +94,12 @@
     X(float *, lm_cache_layer_state, (lm_cache * c, int layer), (c, layer))                      \
     X(int, lm_deltanet_mixer,                                                                      \
       (lm_base * b, const lm_deltanet *d, int layer, const float *x, int64_t ntok, float *y),    \
-      (b, d, layer, x, ntok, y))
+      (b, d, layer, x, ntok, y))                                                                   \
+    X(int, lm_attention_cached_bias,                                                               \
+      (lm_pool * pool, const float *q, const lm_cache *c, int layer, float *out, int64_t ntok,   \
+       int64_t pos0, int n_head, float scale, int64_t window, float softcap, const float *bias,  \
+       int64_t bias_extent),                                                                       \
+      (pool, q, c, layer, out, ntok, pos0, n_head, scale, window, softcap, bias, bias_extent))
 
 #define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
 

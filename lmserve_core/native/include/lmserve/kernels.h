@@ -175,6 +175,13 @@ int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst);
 int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
                         float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
                         int64_t window, float softcap);
+/* lm_attention_cached plus bias (ntok, n_head, bias_extent): bias[t, h, d] is added to the
+ * scaled score of query (t, h) and the key d positions before it, for d < bias_extent (a
+ * learned relative position bias; farther keys take none). bias NULL, extent 0: none. */
+int lm_attention_cached_bias(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                             float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                             int64_t window, float softcap, const float *bias,
+                             int64_t bias_extent);
 
 /* ------------------------------------------------------------------ model base and layers */
 /* Fill the kit's part of a family model: a pool of n_threads (<= 0: one per core), the
