@@ -102,11 +102,22 @@ def open_checkpoint(path: str, settings: ServerSettings) -> GGUFFile:
             types[i] = TokenType.USER_DEFINED
     metadata["tokenizer.ggml.token_type"] = types
     metadata["tokenizer.chat_template"] = CHAT_TEMPLATE
+    # each float32 tensor is let go once converted: the peak is the converted model and one
+    # source tensor, not both models whole
+    tensors = _TakeOnce(ckpt.tensors)
+    ckpt.tensors.clear()
     view = build_view(
-        ckpt.config, ckpt.tensors, path=ckpt.model_file, weights=load_type, metadata=metadata
+        ckpt.config, tensors, path=ckpt.model_file, weights=load_type, metadata=metadata
     )
     view.model_id = model_id(ckpt.model_file)
     return view
+
+
+class _TakeOnce(dict[str, Any]):
+    """A state dict whose entries leave it as they are read."""
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self.pop(key, default)
 
 
 def model_id(model_file: Path) -> str:
