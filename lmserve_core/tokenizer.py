@@ -185,7 +185,7 @@ _REGEXES_BY_TYPES: dict[str, tuple[str, ...]] = {
             " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
         ),
     ),
-    "granite_emb_multi": (
+    "granite_emb_multi inkling": (
         (
             "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))*((?=[\\p{L}\\p{M}])([^A-Z]))+(?:'[sS]|"
             "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
@@ -380,6 +380,10 @@ PRE_TOKENIZER_NAMES: tuple[str, ...] = tuple(_PRE_NAMES)
 # lmserve's own names, for vocabularies that come without a GGUF file: tiktoken's encodings
 # take a piece that is a token as that token (ignore merges) and clean no spaces.
 _names("nanochat", "nanochat", ignore_merges=True, clean_spaces=False)
+# Names of open llama.cpp work not yet in its chain: "inkling", Thinking Machines' Inkling (the
+# PR "Add TML Inkling architecture": LLAMA_VOCAB_PRE_TYPE_INKLING, the regex of
+# granite-embed-multi-97m, merges kept, no clean-up of spaces).
+_names("inkling", "inkling", clean_spaces=False)
 
 # What llama.cpp runs in C++ instead of some of those regexes, as regexes to the same effect:
 # expression -> (regex, how tokenizers' Split keeps the matches).
