@@ -190,6 +190,9 @@ class GGUFChatBackend:
             else:
                 stop_ids.add(tid)
         self.stop_ids: frozenset[int] = frozenset(stop_ids)
+        # control tokens the reply's text keeps (the family's readers see them)
+        shown = (self.tokenizer.token_id(text) for text in conventions.shown_tokens)
+        self.shown_ids: frozenset[int] = frozenset(t for t in shown if t is not None)
 
         # Generations decoded together; each holds a slot while it runs.
         self.batch_size = max(1, int(settings.batch))
@@ -703,12 +706,12 @@ class GGUFChatBackend:
             ),
             vocab,
         )
-        gen.decoder = self.tokenizer.stream_decoder(skip_special=True)
+        gen.decoder = self.tokenizer.stream_decoder(skip_special=True, keep=self.shown_ids)
         gen.out = _Output(
             sink,
             StopScanner(request.stop),
             self._router(request, prepared),
-            prepared.tools.parser(request.tools) if prepared.tools is not None else None,
+            self._reader(request, prepared),
         )
         if prepared.matcher is not None:
             n_words = (self._ll_tokenizer().vocab_size + 31) // 32
@@ -1037,6 +1040,14 @@ class GGUFChatBackend:
             return None
         closing = self.tokenizer.encode(markers.close + "\n\n", parse_special=True)
         return max(0, int(request.reasoning_budget)), closing
+
+    def _reader(self, request: NormalizedRequest, prepared: _Prepared) -> ToolCallParser | None:
+        """The parser of the reply's text: the tool convention's when tools are in play, else
+        the family's reply reader, if it has one."""
+        if prepared.tools is not None:
+            return prepared.tools.parser(request.tools)
+        reader = self.conventions.reply_reader
+        return None if reader is None else reader.parser(None)
 
     def _router(self, request: NormalizedRequest, prepared: _Prepared) -> ThinkRouter | None:
         markers = self.conventions.think

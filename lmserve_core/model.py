@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
 from .backend import Capabilities, SamplingDefaults, ThinkMarkers
+
+if TYPE_CHECKING:
+    from .tools import ToolConvention
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,14 @@ class FamilyConventions:
     # tokens to write after it (none: nothing), which join the reply as the model's own and
     # are shown as text. Not called while a grammar governs the reply.
     continuation: Callable[[Sequence[int]], Sequence[int]] | None = None
+    # Control tokens whose text stays in the reply's decoded text (llama.cpp's preserved
+    # tokens): markers the think markers or the reply's reader must see. Other control tokens
+    # are dropped from it.
+    shown_tokens: tuple[str, ...] = ()
+    # The convention whose parser reads every reply, tools or not: a family that frames its
+    # reply's text in markers (None: the reply text is read only for calls, when tools are
+    # in play). Its parser gets no tools.
+    reply_reader: ToolConvention | None = None
 
     def sampling_for(self, reasoning: bool) -> SamplingDefaults:
         """The sampling defaults of a request with the reasoning channel on or off."""

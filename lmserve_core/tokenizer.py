@@ -15,7 +15,7 @@ import codecs
 import functools
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -185,7 +185,7 @@ _REGEXES_BY_TYPES: dict[str, tuple[str, ...]] = {
             " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
         ),
     ),
-    "granite_emb_multi": (
+    "granite_emb_multi inkling": (
         (
             "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))*((?=[\\p{L}\\p{M}])([^A-Z]))+(?:'[sS]|"
             "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
@@ -380,6 +380,10 @@ PRE_TOKENIZER_NAMES: tuple[str, ...] = tuple(_PRE_NAMES)
 # lmserve's own names, for vocabularies that come without a GGUF file: tiktoken's encodings
 # take a piece that is a token as that token (ignore merges) and clean no spaces.
 _names("nanochat", "nanochat", ignore_merges=True, clean_spaces=False)
+# Names of open llama.cpp work not yet in its chain: "inkling", Thinking Machines' Inkling (the
+# PR "Add TML Inkling architecture": LLAMA_VOCAB_PRE_TYPE_INKLING, the regex of
+# granite-embed-multi-97m, merges kept, no clean-up of spaces).
+_names("inkling", "inkling", clean_spaces=False)
 
 # What llama.cpp runs in C++ instead of some of those regexes, as regexes to the same effect:
 # expression -> (regex, how tokenizers' Split keeps the matches).
@@ -627,14 +631,21 @@ class _SplitTable:
 class StreamDecoder:
     """Turns generated token ids into text, emitting only complete UTF-8 characters."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, skip_special: bool = False, keep: Collection[int] = ()
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._keep = frozenset(keep)  # special tokens whose text is kept all the same
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now complete (possibly "")."""
-        if self._skip_special and self._tokenizer.is_special(token_id):
+        if (
+            self._skip_special
+            and self._tokenizer.is_special(token_id)
+            and token_id not in self._keep
+        ):
             return ""
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
 
@@ -1194,9 +1205,12 @@ class Tokenizer:
             text = _clean_up_spaces(text)
         return text.decode("utf-8", errors="replace")
 
-    def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
-        """A decoder for one generated sequence (see :class:`StreamDecoder`)."""
-        return StreamDecoder(self, skip_special=skip_special)
+    def stream_decoder(
+        self, *, skip_special: bool = False, keep: Collection[int] = ()
+    ) -> StreamDecoder:
+        """A decoder for one generated sequence (see :class:`StreamDecoder`); ``keep``: special
+        tokens whose text it keeps when it skips the others."""
+        return StreamDecoder(self, skip_special=skip_special, keep=keep)
 
     def _find(self, texts: Iterable[str]) -> int | None:
         for t in texts:

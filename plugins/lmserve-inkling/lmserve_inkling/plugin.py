@@ -1,28 +1,49 @@
-"""The Inkling family's hooks: registers the ``inkling`` backend.
+"""The Inkling family's hooks: registers the ``inkling`` backend and its converter.
 
-The chat conventions (the wire format's template, thinking routed from
-``<|content_thinking|>``, the JSON tool invocation) are not in yet: a file is served with its
-own chat template and ``<|content_model_end_sampling|>`` ends a turn.
+The conventions are those of Inkling's wire format (:mod:`.inkling_tools`): a chat template
+of blocks (the file's own, else ``templates/inkling.jinja``), the leading
+``<|content_thinking|>`` block routed to the reasoning channel, the other blocks read out of
+the reply (text without its markers, ``NAME<|content_invoke_tool_json|>{...}`` as calls),
+``<|content_model_end_sampling|>`` ending the turn (``<|end_message|>`` ends a block only).
 """
 
 from __future__ import annotations
 
-from lmserve_core.backend import Capabilities, SamplingDefaults
+from importlib import resources
+
+from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.kit.family import BackendSpec, Family
 from lmserve_core.model import FamilyConventions
 
 from .config import ARCHITECTURES
+from .inkling_tools import END, END_SAMPLING, INKLING_BLOCKS, INKLING_TOOLS, MARKERS, THINKING
 
-EOS = "<|content_model_end_sampling|>"
-CAPABILITIES = Capabilities(grammar=True, reasoning=False, stop_strings=True, system_role=True)
+EOS = END_SAMPLING
+CAPABILITIES = Capabilities(
+    grammar=True, reasoning=True, tools=INKLING_TOOLS, stop_strings=True, system_role=True
+)
 SAMPLING = SamplingDefaults(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0)
 
 
-def conventions(gguf: GGUFFile) -> FamilyConventions:
-    """The end-of-turn token; the rest as llama.cpp's defaults."""
+def fallback_template() -> str:
+    """The wire format's chat template, for files that carry none."""
+    return resources.files(__package__).joinpath("templates", "inkling.jinja").read_text("utf-8")
+
+
+def conventions(gguf: GGUFFile | None = None) -> FamilyConventions:
+    """Inkling's wire format; thinking is switched by ``enable_thinking`` (effort 0.9 or 0 in
+    the template's system block; a ``reasoning_effort`` number among the template's
+    arguments sets it)."""
     return FamilyConventions(
-        capabilities=CAPABILITIES, sampling=SAMPLING, extra_stop_tokens=(EOS,)
+        capabilities=CAPABILITIES,
+        sampling=SAMPLING,
+        think=ThinkMarkers(THINKING, END),
+        extra_stop_tokens=(EOS,),
+        fallback_template=fallback_template(),
+        thinking_switch="enable_thinking",
+        shown_tokens=MARKERS,
+        reply_reader=INKLING_BLOCKS,
     )
 
 

@@ -1,7 +1,8 @@
 """Tiny random transformers ``InklingForCausalLM`` checkpoints for the tests, cached.
 
 A checkpoint is a folder ``config.json`` + ``model.safetensors`` + a small byte-level BPE
-tokenizer (trained by ``tokenizers`` on a few sentences, with Inkling's special tokens), in
+tokenizer (trained by ``tokenizers`` on a few sentences with Inkling's split, with its
+special tokens), in
 the test cache directory (``$LMSERVE_TEST_CACHE``), keyed by its spec and the transformers
 version. Every parameter gets noise (the 1-D ones too: norms, global scales, the router
 bias), so no conversion transform goes untested.
@@ -18,7 +19,7 @@ from typing import Any
 from lmserve_core.testing.assets import cache_dir
 from lmserve_core.testing.gguf_writer import atomic_output
 
-VERSION = "1"
+VERSION = "2"
 
 SPECIAL_TOKENS = [
     "<|content_model_end_sampling|>",
@@ -39,7 +40,17 @@ CORPUS = [
     '{"name": "get_weather", "arguments": {"city": "Paris"}}',
     "Numbers 0123456789 and symbols +-*/=<>()[]{} are tokens too.",
     "Thinking step by step: first read, then answer.",
+    "Cafe\u0301 cre\u0300me, hindi \u0939\u093f\u0928\u094d\u0926\u0940, ti\u1ebfng Vi\u1ec7t.",
 ]
+# o200k's split, whose letter classes take combining marks: the family of Inkling's tokenizer
+# (a GGUF names it ``inkling``).
+SPLIT = (
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+"
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*"
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -87,10 +98,13 @@ class TinyInkling:
 
 
 def _train_tokenizer(size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=size,
