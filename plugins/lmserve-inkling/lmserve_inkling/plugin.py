@@ -10,7 +10,10 @@ the reply (text without its markers, ``NAME<|content_invoke_tool_json|>{...}`` a
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
+from typing import Any
 
+from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.kit.family import BackendSpec, Family
@@ -57,3 +60,15 @@ FAMILY = Family(
 )
 create_backend = FAMILY.create_backend
 register_backends = FAMILY.register_backends
+
+
+def _convert(hf_dir: Path, out: Path, outtype: str) -> Path:
+    from .convert import convert
+
+    return convert(hf_dir, out, outtype)
+
+
+@hookimpl
+def register_converters(register: Any) -> None:
+    """``lmserve convert`` of transformers' ``InklingForCausalLM`` checkpoints."""
+    register("InklingForCausalLM", _convert, description="Inkling (text) to an inkling GGUF")

@@ -99,3 +99,17 @@ def test_refuses_other_architectures(checkpoint: Path, tmp_path: Path) -> None:
     with pytest.raises(ConvertError, match="outtype"):
         convert(checkpoint, tmp_path / "x.gguf", "q4_0")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_lmserve_convert_writes_the_file(checkpoint: Path, tmp_path: Path) -> None:
+    from lmserve_core import cli
+    from lmserve_core.gguf_file import GGUFFile
+    from lmserve_core.plugins import converters
+
+    if "InklingForCausalLM" not in converters():
+        pytest.skip("lmserve-inkling is not installed (its entry point registers the converter)")
+    out = tmp_path / "inkling-f16.gguf"
+    assert cli.main(["convert", str(checkpoint), str(out), "--outtype", "f16"]) == 0
+    with GGUFFile.open(out) as g:
+        assert g.architecture == "inkling"
+        assert g.tensors["token_embd.weight"].type_name == "F16"

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 
 from lmserve_inkling.convert import convert  # noqa: E402
 from lmserve_inkling.model import InklingModel  # noqa: E402
+from lmserve_inkling.plugin import create_backend  # noqa: E402
 
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
 from lmserve_core.testing.conformance import FamilyConformance, Subject  # noqa: E402
@@ -107,6 +108,7 @@ def subject(checkpoint: Path, gguf_f32: Path, inkling_tiny: Any,
                 tokenizer=HFTokens(checkpoint),
                 rounding=lambda kv: (half_precision_kv(hf) if kv == "f16"
                                      else contextlib.nullcontext()),
+                create_backend=create_backend,
                 of_type=of_type,
             )
         return subjects[outtype]
@@ -115,18 +117,7 @@ def subject(checkpoint: Path, gguf_f32: Path, inkling_tiny: Any,
 
 
 class TestInklingConformance(FamilyConformance):
-    """The suite's numerics and cache paths (the served checks need the family's chat
-    conventions and tokenizer pre-tokenizer, not in yet)."""
-
-    def test_speculative_and_reused_replies_equal_plain(self, subject: Subject) -> None:
-        pytest.skip("served checks: not yet")
-
-    def test_batched_choices_and_logprobs_equal_alone(self, subject: Subject) -> None:
-        pytest.skip("served checks: not yet")
-
-    def test_disk_tier_restores_across_a_restart(self, subject: Subject, tmp_path: Any) -> None:
-        pytest.skip("served checks: not yet")
-
+    """The suite's numerics, cache paths and served checks."""
 
 
 def test_padded_vocabulary_is_left_out(subject: Subject) -> None:
