@@ -131,8 +131,25 @@ def bench_ours(
     path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, depth: int = 0
 ) -> dict[str, float]:
     model = load(path, threads)
+    try:
+        return time_model(model, n_prompt, n_gen, reps, depth)
+    finally:
+        model.close()
+
+
+def random_tokens(n_vocab: int, n: int) -> list[int]:
+    """The benchmark's prompt: ``n`` token ids drawn from the vocabulary (seeded)."""
     rng = np.random.default_rng(0)
-    tokens = [int(t) for t in rng.integers(100, model.n_vocab - 100, max(n_prompt, depth))]
+    return [int(t) for t in rng.integers(100, n_vocab - 100, n)]
+
+
+def time_model(
+    model: Any, n_prompt: int, n_gen: int, reps: int, depth: int = 0
+) -> dict[str, float]:
+    """pp (prefill of ``n_prompt`` random tokens) and tg (``n_gen`` greedy decode steps,
+    after ``depth`` tokens of context) tok/s of a loaded model: the median of ``reps`` and
+    the best."""
+    tokens = random_tokens(model.n_vocab, max(n_prompt, depth))
     cache = model.new_cache(max(n_prompt, depth) + n_gen + 8)
     model.forward(cache, tokens[:16], 0)  # warm up pages and the thread pool
     if depth:
@@ -149,7 +166,6 @@ def bench_ours(
         for pos in range(depth, depth + n_gen):
             token = int(np.argmax(model.forward(cache, [token], pos)))
         decode.append(n_gen / (time.perf_counter() - started))
-    model.close()
     out = {"tg": statistics.median(decode), "tg_best": max(decode)}
     if prefill:
         out.update(pp=statistics.median(prefill), pp_best=max(prefill))
