@@ -12,6 +12,7 @@ turned into exceptions — happens here, over the core's compiled kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -674,6 +675,20 @@ class NativeForwardModel:
             put("ffn_gate_shexp", (n_ff_shexp, d))
             put("ffn_up_shexp", (n_ff_shexp, d))
             put("ffn_down_shexp", (d, n_ff_shexp))
+
+    def release_view_sources(self) -> int:
+        """For a model over a GGUF built in memory (a converted checkpoint): let go of the
+        view's own bytes of every matrix the products read from a copy, which would
+        otherwise stay resident beside it; the bytes released. Call it after :meth:`build`.
+        Tensors read in place (and vectors, which the C side points into) are kept."""
+        released = 0
+        for name, (data, _) in self._resident.items():
+            info = self.gguf.tensors.get(name)
+            if info is None or data is info.data or not info.data.flags.writeable:
+                continue
+            self.gguf.tensors[name] = dataclasses.replace(info, data=np.empty(0, np.uint8))
+            released += int(info.data.nbytes)
+        return released
 
     def rope_factors(self) -> npt.NDArray[np.float32] | None:
         """The file's ``rope_freqs`` per-pair factors (F32, marked read), or None."""

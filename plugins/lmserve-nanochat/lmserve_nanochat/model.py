@@ -133,6 +133,8 @@ class NanochatModel(NativeForwardModel, native=_forward, config=NanochatModelCon
             weights.backout_lambda = self.floats("backout_lambda", (1,))
         self.refuse_unknown_tensors("nanochat")
         self.build(lib.nanochat_build, cfg, tensors, weights)
+        # the view's converted matrices were copied for the products: not held twice
+        self.release_view_sources()
 
     def _layer(self, layer: Any, i: int, p: str) -> None:
         c = self.config.nanochat
