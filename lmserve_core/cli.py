@@ -477,7 +477,6 @@ def convert_command(argv: Sequence[str]) -> int:
     parser.add_argument("--list", action="store_true", help="the architectures installed")
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     args = parser.parse_args(argv)
-    logs.configure("warning")
     for module in args.plugin:
         plugins.load_module_plugin(module)
     found = plugins.converters()

@@ -19,7 +19,7 @@ def checkpoint(tmp_path: Path, architecture: str) -> Path:
     return hf
 
 
-def test_a_registered_architecture_converts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_hook_register_converters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hf = checkpoint(tmp_path, "FakeForCausalLM")
     out = tmp_path / "out.gguf"
     code = cli.main(["convert", str(hf), str(out), "--outtype", "q8_0", "--plugin", "fake_converter"])
