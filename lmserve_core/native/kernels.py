@@ -843,17 +843,19 @@ class Cache:
 
     def attention(
         self, layer: int, q: npt.ArrayLike, pos0: int, scale: float, window: int = 0,
-        softcap: float = 0.0, pool: Pool | None = None,
+        softcap: float = 0.0, pool: Pool | None = None, *, bidirectional: bool = False,
     ) -> F32Array:
-        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok)."""
+        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok):
+        causal, or with ``bidirectional`` every query over the rows of the whole chunk and the
+        window before pos0."""
         qs = _f32(q)
         if qs.ndim != 3:
             raise KernelValueError("q must be (ntok, n_head, head_dim)")
         out = np.empty_like(qs)
         check(
-            lib.lm_attention_cached(
+            lib.lm_attention_cached_span(
                 _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
-                qs.shape[1], float(scale), int(window), float(softcap),
+                qs.shape[1], float(scale), int(window), float(softcap), int(bidirectional),
             ),
             "attention_cached",
         )
@@ -895,21 +897,23 @@ def model_threads(base: Any) -> int:
 
 def forward(
     base: Any, cache: Cache, tokens: npt.NDArray[np.int32], pos: int, logits: F32Array,
-    all_logits: bool,
+    all_logits: bool, *, bidirectional: bool = False,
 ) -> None:
-    """Run a family model's forward pass (the chunk driver); the caller checks every size."""
-    check(
-        lib.lm_forward(
-            base,
-            cache.ptr,
-            ffi.cast("int32_t *", ffi.from_buffer(tokens)),
-            tokens.size,
-            int(pos),
-            ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
-            1 if all_logits else 0,
-        ),
-        "forward",
+    """Run a family model's forward pass (the chunk driver); the caller checks every size.
+    ``bidirectional``: one chunk whose rows see each other both ways
+    (``lm_forward_bidirectional``), logits of every row."""
+    args = (
+        base,
+        cache.ptr,
+        ffi.cast("int32_t *", ffi.from_buffer(tokens)),
+        tokens.size,
+        int(pos),
+        ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
     )
+    if bidirectional:
+        check(lib.lm_forward_bidirectional(*args), "forward_bidirectional")
+    else:
+        check(lib.lm_forward(*args, 1 if all_logits else 0), "forward")
 
 
 def forward_batch(

@@ -30,6 +30,7 @@ typedef struct {
     int64_t ring;           /* > 0: position p in row p % ring */
     float *out;
     int64_t ntok, pos0, window, n_ctx;
+    int bidir;              /* every query sees the chunk's keys (and the window of pos0) */
     int n_head, n_kv_head, head_dim;
     float scale, softcap;
     /* decode path */
@@ -81,10 +82,19 @@ static inline int64_t row_index(const attn_ctx *c, int kvh, int64_t pos) {
     return key_row(c, pos) * c->kv_stride + (int64_t)kvh * c->head_dim;
 }
 
+/* The last key position token t sees, and the position its window starts from: its own,
+ * or with bidir the chunk's last and first (every query sees the same keys). */
+static inline int64_t query_hi(const attn_ctx *c, int64_t t) {
+    return c->bidir ? c->pos0 + c->ntok - 1 : c->pos0 + t;
+}
+static inline int64_t query_lo(const attn_ctx *c, int64_t t) {
+    return window_lo(c, c->bidir ? c->pos0 : c->pos0 + t);
+}
+
 /* Positions token t sees in chunk c0 .. c0 + chunk - 1 (empty when *lo > *hi). */
 static inline void token_keys(const attn_ctx *c, int64_t t, int64_t c0, int64_t *lo,
                               int64_t *hi) {
-    const int64_t pos = c->pos0 + t, wl = window_lo(c, pos);
+    const int64_t pos = query_hi(c, t), wl = query_lo(c, t);
     *lo = wl > c0 ? wl : c0;
     *hi = pos < c0 + c->chunk - 1 ? pos : c0 + c->chunk - 1;
 }
@@ -378,8 +388,8 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
                 const int64_t t = (row0 + j) / group;
                 const int hq = h * group + (int)((row0 + j) % group);
                 const float *src = c->q + (t * c->n_head + hq) * hd;
-                pos[j] = c->pos0 + t;
-                lo[j] = c->window > 0 && pos[j] - c->window + 1 > 0 ? pos[j] - c->window + 1 : 0;
+                pos[j] = query_hi(c, t);
+                lo[j] = query_lo(c, t);
                 for (int d = 0; d < hd; d++) {
                     qp[(int64_t)d * nr + j] = src[d];
                 }
@@ -475,11 +485,12 @@ static int attn_tiled(lm_pool *acq, attn_ctx *c) {
     return LM_OK;
 }
 
-/* Attention over K and V rows of kv_type with a row stride of kv_stride elements. */
-int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
-                       int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
-                       int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
-                       float softcap) {
+/* Attention over K and V rows of kv_type with a row stride of kv_stride elements; bidir: every
+ * query sees every key of the chunk (and those of the window before its first position). */
+int lm_attention_span(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                      int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
+                      int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
+                      float softcap, int bidir) {
     if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 || ring < 0 ||
         n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f) ||
         (kv_type != LM_F32 && kv_type != LM_F16) || kv_stride < (int64_t)n_kv_head * head_dim) {
@@ -504,6 +515,7 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
         .pos0 = pos0,
         .window = window,
         .n_ctx = pos0 + ntok,
+        .bidir = bidir != 0,
         .n_head = n_head,
         .n_kv_head = n_kv_head,
         .head_dim = head_dim,
@@ -557,6 +569,14 @@ int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void 
         lm_aligned_free(mem);
     }
     return LM_OK;
+}
+
+int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                       int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
+                       int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
+                       float softcap) {
+    return lm_attention_span(pool, q, k, v, kv_type, kv_stride, ring, out, ntok, pos0, n_head,
+                             n_kv_head, head_dim, scale, window, softcap, 0);
 }
 
 int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, float *out,

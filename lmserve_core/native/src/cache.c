@@ -374,9 +374,9 @@ int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst) {
 
 /* ============================================================================ attention */
 
-int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
-                        float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
-                        int64_t window, float softcap) {
+int lm_attention_cached_span(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                             float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                             int64_t window, float softcap, int bidir) {
     if (!rows_ok(cache, layer, pos0, ntok)) return LM_EINVAL;
     const lm_cache_layer *g = &cache->layers[layer];
     if (g->n_kv_head <= 0 || g->head_dim_k != g->head_dim_v) return LM_EINVAL;
@@ -386,8 +386,15 @@ int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, in
      * rows were written: its window, and the chunk */
     if (ring > 0 && pos0 + ntok > ring && (window <= 0 || window + ntok - 1 > ring))
         return LM_EINVAL;
-    return lm_attention_typed(pool, q, cache->mem + cache->k_off[layer],
-                              cache->mem + cache->v_off[layer], cache->type, kdim(g), ring, out,
-                              ntok, pos0, n_head, g->n_kv_head, g->head_dim_k, scale, window,
-                              softcap);
+    return lm_attention_span(pool, q, cache->mem + cache->k_off[layer],
+                             cache->mem + cache->v_off[layer], cache->type, kdim(g), ring, out,
+                             ntok, pos0, n_head, g->n_kv_head, g->head_dim_k, scale, window,
+                             softcap, bidir);
+}
+
+int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                        float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                        int64_t window, float softcap) {
+    return lm_attention_cached_span(pool, q, cache, layer, out, ntok, pos0, n_head, scale,
+                                    window, softcap, 0);
 }
