@@ -1,0 +1,87 @@
+"""DiffusionGemmaModel: DiffusionGemma's two passes over the Gemma 4 forward (gemma4_forward.c).
+
+The causal pass (the encoder: prompt and committed blocks, writing the KV prefix) is
+Gemma 4's with the ``enc_layer_output_scale`` scalars; the denoiser's pass over a canvas
+(:meth:`DiffusionGemmaModel.denoise`) attends both ways over the canvas and to the prefix,
+embeds the canvas through the self-conditioning MLP and scales by ``layer_output_scale``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lmserve_core.native import kernels
+
+from ._forward import ffi, lib
+from .dgemma_config import DiffusionGemmaConfig
+from .gemma4_model import Gemma4Model
+
+
+class DiffusionGemmaModel(Gemma4Model, config=DiffusionGemmaConfig):
+    """A ``diffusion-gemma`` GGUF: the causal pass is :meth:`forward`, the canvas pass
+    :meth:`denoise`."""
+
+    config: DiffusionGemmaConfig
+
+    def diffusion_weights(self, w: Any) -> None:
+        """The self-conditioning MLP into the weight struct."""
+        d, f = self.config.n_embd, self.config.n_ff[0]
+        w.sc_pre_norm = self.floats("self_cond_pre_norm.weight", (d,))
+        self.matrix(w.sc_gate, "self_cond_gate.weight", (f, d))
+        self.matrix(w.sc_up, "self_cond_up.weight", (f, d))
+        self.matrix(w.sc_down, "self_cond_down.weight", (d, f))
+        w.sc_n_ff = f
+
+    def own_scales(self, layer: Any, p: str) -> None:
+        """The canvas pass's and the causal pass's output scales."""
+        layer.out_scale = self.optional_floats(p + "layer_output_scale.weight", (1,))
+        layer.enc_out_scale = self.optional_floats(p + "enc_layer_output_scale.weight", (1,))
+
+    @property
+    def embedding(self) -> np.ndarray:
+        """The token embedding as float32 (n_vocab, n_embd), decoded once."""
+        if getattr(self, "_embedding", None) is None:
+            info = self.gguf.tensors["token_embd.weight"]
+            flat = kernels.dequantize_row(info.ggml_type, info.data, info.n_elements)
+            self._embedding = flat.reshape(self.config.n_vocab, self.config.n_embd)
+        return self._embedding
+
+    def soft_embeddings(self, logits: np.ndarray) -> np.ndarray:
+        """softmax(logits) . embedding * sqrt(n_embd) of every canvas row: the denoiser's
+        self-conditioning input (transformers' ``soft_embeddings``)."""
+        z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=-1, keepdims=True)
+        return (p @ self.embedding) * np.float32(np.sqrt(self.config.n_embd))
+
+    def denoise(
+        self, cache: Any, canvas: Sequence[int], pos: int, self_conditioning: np.ndarray | None
+    ) -> np.ndarray:
+        """The denoiser over ``canvas`` at ``pos..`` after the cache's prefix ``[0, pos)``:
+        raw logits (canvas, n_vocab). ``self_conditioning``: the previous step's logits (as
+        the sampler processed them), or None on the first step. Writes the canvas's cache
+        rows, which the causal pass over the committed block overwrites."""
+        ids, pos = self._check_call(cache, canvas, pos)
+        if ids.size > self.n_batch:
+            raise ValueError(f"a canvas of {ids.size} exceeds the batch of {self.n_batch}")
+        soft = None
+        if self_conditioning is not None:
+            if self_conditioning.shape != (ids.size, self.n_vocab):
+                raise ValueError(f"self-conditioning logits of shape {self_conditioning.shape}"
+                                 f", expected {(ids.size, self.n_vocab)}")
+            soft = np.ascontiguousarray(self.soft_embeddings(self_conditioning))
+        logits = np.empty((ids.size, self.n_vocab), np.float32)
+        with self._lock:
+            self._require_open()
+            ptr = ffi.NULL if soft is None else ffi.cast("float *", ffi.from_buffer(soft))
+            kernels.check(lib.gemma4_self_condition(self._base, ptr, 0 if soft is None
+                                                    else len(soft)), "self_condition")
+            try:
+                kernels.forward(self._core, cache.native, ids, pos, logits, True,
+                                bidirectional=True)
+            finally:
+                lib.gemma4_self_condition(self._base, ffi.NULL, 0)
+        return logits
