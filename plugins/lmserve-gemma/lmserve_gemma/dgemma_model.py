@@ -40,6 +40,14 @@ class DiffusionGemmaModel(Gemma4Model, config=DiffusionGemmaConfig):
         layer.out_scale = self.optional_floats(p + "layer_output_scale.weight", (1,))
         layer.enc_out_scale = self.optional_floats(p + "enc_layer_output_scale.weight", (1,))
 
+    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> Any:
+        """A cache whose sliding-window rings are reused with a canvas's margin: a canvas
+        writes up to ``canvas_length`` rows past the committed ones, which take the place
+        of older rows in the rings."""
+        cache = super().new_cache(n_ctx, kv_type)
+        cache._batch = max(0, cache._batch - self.config.canvas_length)
+        return cache
+
     @property
     def embedding(self) -> np.ndarray:
         """The token embedding as float32 (n_vocab, n_embd), decoded once."""
