@@ -66,6 +66,7 @@ class DiffusionGemmaConfig(Gemma4Config):
     """Gemma 4's geometry, the canvas length and the sampler's defaults."""
 
     ARCHITECTURE: ClassVar[str] = "diffusion-gemma"
+    NAME: ClassVar[str] = "DiffusionGemma"
 
     canvas_length: int = 256
     sampler: EntropyBound = EntropyBound()

@@ -32,6 +32,7 @@ class Gemma4Config:
     """What the Gemma 4 forward pass needs; per-layer tuples have ``n_layer`` entries."""
 
     ARCHITECTURE: ClassVar[str] = "gemma4"
+    NAME: ClassVar[str] = "Gemma 4"
 
     architecture: str
     n_layer: int
@@ -69,7 +70,7 @@ class Gemma4Config:
     def from_gguf(cls, gguf: GGUFFile) -> Gemma4Config:
         """Read the config from a GGUF's metadata; unknown keys are ignored."""
         if gguf.architecture != cls.ARCHITECTURE:
-            raise GGUFError(f"architecture {gguf.architecture!r} is not {cls.ARCHITECTURE}")
+            raise GGUFError(f"architecture {gguf.architecture!r} is not {cls.NAME}")
         hp = HParams(gguf)
         n_layer = hp.block_count()
         n_embd = hp.integer("embedding_length")

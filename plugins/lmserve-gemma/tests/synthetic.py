@@ -78,6 +78,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from lmserve_gemma.convert_diffusion import LAYER_NAMES
 from lmserve_gemma.gguf_vocab import BYTE_TOKEN, Vocab, add_vocab, load_json
+from lmserve_gemma.gguf_vocab import GEMMA4_VISIBLE as GEMMA4_VISIBLE  # test_gemma_synthetic.py
 from lmserve_gemma.gguf_vocab import gemma4_vocab as bpe_vocab
 from lmserve_gemma.gguf_vocab import special_vocab as _special_vocab
 
