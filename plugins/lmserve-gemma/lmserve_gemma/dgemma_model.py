@@ -19,6 +19,10 @@ from ._forward import ffi, lib
 from .dgemma_config import DiffusionGemmaConfig
 from .gemma4_model import Gemma4Model
 
+# The self-conditioning input reads the whole embedding: kept decoded up to this size.
+EMBEDDING_KEPT = 256 << 20
+EMBEDDING_SLICE = 16384  # rows decoded at a time past it
+
 
 class DiffusionGemmaModel(Gemma4Model, config=DiffusionGemmaConfig):
     """A ``diffusion-gemma`` GGUF: the causal pass is :meth:`forward`, the canvas pass
@@ -48,22 +52,33 @@ class DiffusionGemmaModel(Gemma4Model, config=DiffusionGemmaConfig):
         cache._batch = max(0, cache._batch - self.config.canvas_length)
         return cache
 
-    @property
-    def embedding(self) -> np.ndarray:
-        """The token embedding as float32 (n_vocab, n_embd), decoded once."""
-        if getattr(self, "_embedding", None) is None:
-            info = self.gguf.tensors["token_embd.weight"]
-            flat = kernels.dequantize_row(info.ggml_type, info.data, info.n_elements)
-            self._embedding = flat.reshape(self.config.n_vocab, self.config.n_embd)
-        return self._embedding
+    def _embedding_rows(self, first: int, n: int) -> np.ndarray:
+        """Rows ``[first, first + n)`` of the token embedding as float32."""
+        info = self.gguf.tensors["token_embd.weight"]
+        raw = np.asarray(info.data).reshape(-1, info.row_bytes)[first : first + n]
+        return kernels.dequantize_row(info.ggml_type, raw, n * self.config.n_embd).reshape(
+            n, self.config.n_embd
+        )
 
     def soft_embeddings(self, logits: np.ndarray) -> np.ndarray:
         """softmax(logits) . embedding * sqrt(n_embd) of every canvas row: the denoiser's
-        self-conditioning input (transformers' ``soft_embeddings``)."""
+        self-conditioning input (transformers' ``soft_embeddings``), over the whole
+        vocabulary. An embedding of at most EMBEDDING_KEPT bytes as float32 is decoded once
+        and kept; a larger one is decoded a slice of rows at a time on every call."""
         z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
         p = np.exp(z)
         p /= p.sum(axis=-1, keepdims=True)
-        return (p @ self.embedding) * np.float32(np.sqrt(self.config.n_embd))
+        n_vocab, d = self.config.n_vocab, self.config.n_embd
+        if n_vocab * d * 4 <= EMBEDDING_KEPT:
+            if getattr(self, "_embedding", None) is None:
+                self._embedding = self._embedding_rows(0, n_vocab)
+            out = p @ self._embedding
+        else:
+            out = np.zeros((len(p), d), np.float32)
+            for v0 in range(0, n_vocab, EMBEDDING_SLICE):
+                n = min(EMBEDDING_SLICE, n_vocab - v0)
+                out += p[:, v0 : v0 + n] @ self._embedding_rows(v0, n)
+        return out * np.float32(np.sqrt(d))
 
     def denoise(
         self, cache: Any, canvas: Sequence[int], pos: int, self_conditioning: np.ndarray | None

@@ -70,3 +70,14 @@ def test_canvas_pass_does_not_disturb_the_prefix(model: DiffusionGemmaModel,
     a = model.denoise(cache, canvas, len(prompt), None)
     b = model.denoise(cache, canvas, len(prompt), None)
     np.testing.assert_array_equal(a, b)
+
+
+def test_soft_embeddings_by_slices_equal_the_kept_embedding(
+    model: DiffusionGemmaModel, recorded: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmserve_gemma import dgemma_model
+
+    logits = recorded["denoise_first"][:4] * 3
+    kept = model.soft_embeddings(logits)
+    monkeypatch.setattr(dgemma_model, "EMBEDDING_KEPT", 0)
+    np.testing.assert_allclose(model.soft_embeddings(logits), kept, rtol=0, atol=1e-6)
