@@ -25,10 +25,12 @@ the embedding. Only the text model is converted (the published files carry no vi
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -335,3 +337,25 @@ def _safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         if raw.size != math.prod(shape):
             raise ConvertError(f"{path}: {name} holds {raw.size} values, not {shape}")
         yield name, raw.astype(np.float32).reshape(shape)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lmserve_gemma.convert_diffusion HF_DIR OUT.gguf [--outtype ...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lmserve_gemma.convert_diffusion",
+        description="Convert a transformers DiffusionGemma checkpoint to a diffusion-gemma GGUF.",
+    )
+    parser.add_argument("hf_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--outtype", choices=OUTTYPES, default="f32")
+    args = parser.parse_args(argv)
+    try:
+        print(convert(args.hf_dir, args.out, args.outtype))
+    except ConvertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

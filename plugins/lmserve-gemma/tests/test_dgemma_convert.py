@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from lmserve_gemma.convert_diffusion import ConvertError, convert
+from lmserve_gemma.convert_diffusion import ConvertError, convert, main
 
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.testing.synthetic import gguf_state
@@ -22,6 +22,8 @@ def test_convert_refuses_other_architectures(tmp_path: Path) -> None:
         convert(tmp_path, tmp_path / "out.gguf")
     with pytest.raises(ConvertError, match="outtype"):
         convert(tmp_path, tmp_path / "out.gguf", "q4_0")
+    assert main([str(tmp_path), str(tmp_path / "out.gguf")]) == 2
+    assert not (tmp_path / "out.gguf").exists()
 
 
 def test_convert_layout(diffusion_gemma: Any) -> None:
