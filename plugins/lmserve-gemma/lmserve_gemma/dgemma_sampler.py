@@ -110,12 +110,18 @@ class BlockDenoiser:
     """One block's denoising loop: :meth:`step` until :attr:`done`, then :attr:`tokens`."""
 
     def __init__(self, denoise: Denoiser, params: EntropyBound, canvas_length: int,
-                 n_vocab: int, rng: np.random.Generator) -> None:
+                 n_vocab: int, rng: np.random.Generator, canvas: np.ndarray | None = None) -> None:
+        """``canvas``: the starting canvas (the reference's ``decoder_input_ids``); by
+        default uniform random ids."""
         self.denoise = denoise
         self.params = params
         self.n_vocab = n_vocab
         self.rng = rng
-        self.canvas = rng.integers(0, n_vocab, size=canvas_length, dtype=np.int64)
+        self.canvas = (
+            rng.integers(0, n_vocab, size=canvas_length, dtype=np.int64)
+            if canvas is None
+            else np.asarray(canvas, np.int64).copy()
+        )
         self.argmax = self.canvas.copy()
         self.self_conditioning: np.ndarray | None = None
         self.stopping = StableAndConfident(params.stability_threshold,

@@ -81,3 +81,43 @@ def test_soft_embeddings_by_slices_equal_the_kept_embedding(
     kept = model.soft_embeddings(logits)
     monkeypatch.setattr(dgemma_model, "EMBEDDING_KEPT", 0)
     np.testing.assert_allclose(model.soft_embeddings(logits), kept, rtol=0, atol=1e-6)
+
+
+def test_a_block_equals_the_references_generate(model: DiffusionGemmaModel, recorded: dict,
+                                                diffusion_gemma: Any) -> None:
+    # The whole loop against DiffusionGemmaForBlockDiffusion.generate on the same starting
+    # canvas, made deterministic: every position accepted (a huge entropy bound, so nothing
+    # is re-noised) at a temperature so low that each draw is the argmax. The steps then
+    # differ only through the denoiser, its self-conditioning and the stop. (The random
+    # model's argmax canvas moves on every step: both run every step.)
+    import torch
+    from lmserve_gemma.dgemma_sampler import BlockDenoiser
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        EntropyBoundSamplerConfig,
+    )
+
+    prompt, canvas = recorded["prompt"].tolist(), recorded["canvases"][1]
+    params = EntropyBound(max_denoising_steps=3, t_min=1e-3, t_max=2e-3, entropy_bound=1e6,
+                          stability_threshold=1, confidence_threshold=0.5)
+    hf = diffusion_gemma.load_hf()
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([canvas]),
+            max_new_tokens=len(canvas), max_denoising_steps=params.max_denoising_steps,
+            t_min=params.t_min, t_max=params.t_max,
+            sampler_config=EntropyBoundSamplerConfig(entropy_bound=params.entropy_bound),
+            stability_threshold=params.stability_threshold,
+            confidence_threshold=params.confidence_threshold, eos_token_id=None,
+            return_dict_in_generate=True,
+        )
+    want = out.sequences[0, len(prompt):].tolist()
+    cache = model.new_cache(64)
+    model.forward(cache, prompt, 0)
+    block = BlockDenoiser(lambda c, sc: model.denoise(cache, c.tolist(), len(prompt), sc),
+                          params, len(canvas), model.n_vocab, np.random.default_rng(0),
+                          canvas=canvas)
+    while not block.step():
+        pass
+    assert block.tokens == want
+    passes = round(len(canvas) / float(out.tokens_per_forward[0]))
+    assert block.steps == passes, (block.steps, passes)  # the same stop decisions
