@@ -106,3 +106,14 @@ def test_grammars_and_tools_are_refused_naming_the_field(served: Any) -> None:
         "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
     assert r.status_code == 400 and "tools" in r.text, r.text
+
+
+def test_stop_strings_apply_to_committed_text(served: Any) -> None:
+    _, sdk, _ = served
+    ask = dict(model="m", messages=MESSAGES, max_tokens=32, seed=5)
+    whole = sdk.chat.completions.create(**ask).choices[0].message.content
+    assert len(whole) > 12
+    stop = whole[8:12]
+    cut = sdk.chat.completions.create(**ask, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == whole[: whole.index(stop)]
