@@ -548,3 +548,44 @@ def test_attention_with_a_distance_bias(ntok: int, isa: Any, rng: np.random.Gene
             plain = cache.attention(0, q, pos0, 0.3, window, 0.0, pool)
             zero = cache.attention(0, q, pos0, 0.3, window, 0.0, pool, bias=0 * bias)
             np.testing.assert_array_equal(zero, plain)
+
+
+def _bidirectional_reference(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int
+) -> np.ndarray:
+    """Every query of the chunk over keys [window start of pos0, pos0 + ntok)."""
+    ntok, heads, _ = q.shape
+    group = heads // k.shape[1]
+    lo = max(0, pos0 - window + 1) if window else 0
+    keys, vals = k[lo : pos0 + ntok], v[lo : pos0 + ntok]
+    out = np.empty_like(q)
+    for h in range(heads):
+        s = q[:, h] @ keys[:, h // group].T * scale
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ vals[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("ntok", [1, 5, 24])  # decode path, few tokens, tiled
+def test_bidirectional_chunk_attends_to_the_whole_chunk(
+    ntok: int, isa: Any, rng: np.random.Generator
+) -> None:
+    # A block-diffusion canvas: every query sees the prefix (the window before the chunk's
+    # first position on a sliding layer, kept in its ring) and every row of the chunk.
+    n_ctx, heads, kv_heads, hd, window = 64, 4, 2, 32, 9
+    pos0 = n_ctx - ntok
+    k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
+    rk, rv = (a.reshape(n_ctx, kv_heads, hd) for a in (k, v))
+    q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
+    cache = K.Cache([(kv_heads, hd, hd, window + ntok), (kv_heads, hd, hd)], n_ctx, "f32")
+    for pos in range(0, n_ctx, ntok):
+        for layer in range(2):
+            cache.write(layer, pos, k[pos : pos + ntok], v[pos : pos + ntok])
+    with K.Pool(2) as pool:
+        for layer, win in ((0, window), (1, 0), (1, 5)):
+            got = cache.attention(layer, q, pos0, 0.2, win, 0.0, pool, bidirectional=True)
+            want = _bidirectional_reference(q, rk, rv, pos0, 0.2, win)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+            if win == 0:  # the chunk's last query sees what it sees causally
+                causal = cache.attention(layer, q, pos0, 0.2, win, 0.0, pool)
+                np.testing.assert_allclose(got[-1], causal[-1], rtol=0, atol=1e-6)

@@ -49,7 +49,10 @@ class Family:
     """A model family: its backends, the model class of each architecture and the
     conventions of a file.
 
-    ``model`` names the model class as ``"module:Class"``, or one per architecture;
+    ``model`` names the model class as ``"module:Class"``, or one per architecture; ``chat``
+    names, per architecture, a subclass of :class:`~lmserve_core.gguf_chat.GGUFChatBackend`
+    that serves it instead of the generic one (a model that does not generate token by
+    token);
     ``conventions`` are the file's conventions, or a function of the opened file giving
     them. ``open`` opens a model path as a :class:`GGUFFile` (default
     :meth:`GGUFFile.open`): a family whose models are not GGUF files (a training checkpoint)
@@ -65,6 +68,7 @@ class Family:
         conventions: FamilyConventions | Callable[[GGUFFile], FamilyConventions],
         backends: Sequence[BackendSpec],
         open: Callable[[str, ServerSettings], GGUFFile] | None = None,
+        chat: Mapping[str, str] | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a family registers at least one backend")
@@ -72,6 +76,7 @@ class Family:
         self._model = model
         self._conventions = conventions
         self._open = open
+        self._chat = dict(chat or {})
         self.backends = tuple(backends)
         self.architectures = tuple(a for spec in self.backends for a in spec.architectures)
         if not isinstance(model, str) and set(model) != set(self.architectures):
@@ -81,8 +86,15 @@ class Family:
     def model_class(self, architecture: str) -> Any:
         """The model class of an architecture (its module imported now)."""
         path = self._model if isinstance(self._model, str) else self._model[architecture]
-        module, _, attr = path.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _imported(path)
+
+    def chat_class(self, architecture: str) -> Any:
+        """The chat backend class of an architecture (GGUFChatBackend unless ``chat`` names
+        one)."""
+        from lmserve_core.gguf_chat import GGUFChatBackend
+
+        path = self._chat.get(architecture)
+        return GGUFChatBackend if path is None else _imported(path)
 
     def conventions(self, gguf: GGUFFile) -> FamilyConventions:
         """The conventions a file gets (its chat template may choose them)."""
@@ -92,8 +104,6 @@ class Family:
     def _create_backend(self, model_path: str | None, settings: ServerSettings) -> Any:
         """Open the GGUF, build the forward pass of its architecture and wrap it in the
         generic chat path."""
-        from lmserve_core.gguf_chat import GGUFChatBackend
-
         path = model_path
         if path is None:
             defaults = [s.default_model for s in self.backends if s.default_model is not None]
@@ -115,10 +125,11 @@ class Family:
                 gguf, n_threads=settings.threads, kv_type=settings.kv_type
             )
             conventions = self.conventions(gguf)
+            chat = self.chat_class(arch)
         except BaseException:
             gguf.close()
             raise
-        return GGUFChatBackend(
+        return chat(
             name=arch, gguf=gguf, model=model, conventions=conventions, settings=settings,
             family=self.name,
         )
@@ -140,3 +151,9 @@ class Family:
                 description=spec.description,
                 **kwargs,
             )
+
+
+def _imported(path: str) -> Any:
+    """The object ``"module:attribute"`` names (its module imported now)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -780,6 +780,22 @@ class NativeForwardModel:
                 cache.wrote(b)
         return logits
 
+    def forward_bidirectional(self, cache: Any, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """Run ``tokens`` at ``pos..`` as one chunk whose rows see each other both ways (and
+        the cache before ``pos``, within each layer's window): a block-diffusion canvas.
+        Writes their cache rows, which a later causal pass over ``pos..`` overwrites. At most
+        ``n_batch`` tokens; float32 logits ``(len(tokens), n_vocab)``."""
+        ids, pos = self._check_call(cache, tokens, pos)
+        if ids.size > self.n_batch:
+            raise ValueError(f"{ids.size} tokens exceed the batch of {self.n_batch}")
+        if isinstance(cache, RecurrentCache):
+            raise ValueError("a model with recurrent layers has no bidirectional pass")
+        logits = np.empty((ids.size, self.n_vocab), np.float32)
+        with self._lock:
+            self._require_open()
+            kernels.forward(self._core, cache.native, ids, pos, logits, True, bidirectional=True)
+        return logits
+
     def forward_batch(
         self, rows: Sequence[tuple[Any, Sequence[int], int]]
     ) -> list[np.ndarray]:

@@ -844,11 +844,14 @@ class Cache:
     def attention(
         self, layer: int, q: npt.ArrayLike, pos0: int, scale: float, window: int = 0,
         softcap: float = 0.0, pool: Pool | None = None, bias: npt.ArrayLike | None = None,
+        *, bidirectional: bool = False,
     ) -> F32Array:
-        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok).
+        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok):
+        causal, or with ``bidirectional`` every query over the rows of the whole chunk and the
+        window before pos0.
 
         ``bias`` (ntok, n_head, extent): bias[t, h, d] is added to the scaled score of query
-        (t, h) and the key d positions before it, for d < extent.
+        (t, h) and the key d positions before it, for d < extent (causal only).
         """
         qs = _f32(q)
         if qs.ndim != 3:
@@ -856,12 +859,19 @@ class Cache:
         bs = None if bias is None else _f32(bias)
         if bs is not None and (bs.ndim != 3 or bs.shape[:2] != qs.shape[:2] or not bs.shape[2]):
             raise KernelValueError("bias must be (ntok, n_head, extent)")
+        if bs is not None and bidirectional:
+            raise KernelValueError("a distance bias is causal: not with bidirectional")
         out = np.empty_like(qs)
         check(
             lib.lm_attention_cached_bias(
                 _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
                 qs.shape[1], float(scale), int(window), float(softcap),
                 ffi.NULL if bs is None else _fbuf(bs), 0 if bs is None else bs.shape[2],
+            )
+            if not bidirectional
+            else lib.lm_attention_cached_span(
+                _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
+                qs.shape[1], float(scale), int(window), float(softcap), 1,
             ),
             "attention_cached",
         )
@@ -903,21 +913,23 @@ def model_threads(base: Any) -> int:
 
 def forward(
     base: Any, cache: Cache, tokens: npt.NDArray[np.int32], pos: int, logits: F32Array,
-    all_logits: bool,
+    all_logits: bool, *, bidirectional: bool = False,
 ) -> None:
-    """Run a family model's forward pass (the chunk driver); the caller checks every size."""
-    check(
-        lib.lm_forward(
-            base,
-            cache.ptr,
-            ffi.cast("int32_t *", ffi.from_buffer(tokens)),
-            tokens.size,
-            int(pos),
-            ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
-            1 if all_logits else 0,
-        ),
-        "forward",
+    """Run a family model's forward pass (the chunk driver); the caller checks every size.
+    ``bidirectional``: one chunk whose rows see each other both ways
+    (``lm_forward_bidirectional``), logits of every row."""
+    args = (
+        base,
+        cache.ptr,
+        ffi.cast("int32_t *", ffi.from_buffer(tokens)),
+        tokens.size,
+        int(pos),
+        ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
     )
+    if bidirectional:
+        check(lib.lm_forward_bidirectional(*args), "forward_bidirectional")
+    else:
+        check(lib.lm_forward(*args, 1 if all_logits else 0), "forward")
 
 
 def forward_batch(

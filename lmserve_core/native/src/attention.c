@@ -30,6 +30,7 @@ typedef struct {
     int64_t ring;           /* > 0: position p in row p % ring */
     float *out;
     int64_t ntok, pos0, window, n_ctx;
+    int bidir;              /* every query sees the chunk's keys (and the window of pos0) */
     int n_head, n_kv_head, head_dim;
     float scale, softcap;
     const float *bias;      /* (ntok, n_head, bias_extent) added to the scaled scores by
@@ -84,10 +85,19 @@ static inline int64_t row_index(const attn_ctx *c, int kvh, int64_t pos) {
     return key_row(c, pos) * c->kv_stride + (int64_t)kvh * c->head_dim;
 }
 
+/* The last key position token t sees, and the position its window starts from: its own,
+ * or with bidir the chunk's last and first (every query sees the same keys). */
+static inline int64_t query_hi(const attn_ctx *c, int64_t t) {
+    return c->bidir ? c->pos0 + c->ntok - 1 : c->pos0 + t;
+}
+static inline int64_t query_lo(const attn_ctx *c, int64_t t) {
+    return window_lo(c, c->bidir ? c->pos0 : c->pos0 + t);
+}
+
 /* Positions token t sees in chunk c0 .. c0 + chunk - 1 (empty when *lo > *hi). */
 static inline void token_keys(const attn_ctx *c, int64_t t, int64_t c0, int64_t *lo,
                               int64_t *hi) {
-    const int64_t pos = c->pos0 + t, wl = window_lo(c, pos);
+    const int64_t pos = query_hi(c, t), wl = query_lo(c, t);
     *lo = wl > c0 ? wl : c0;
     *hi = pos < c0 + c->chunk - 1 ? pos : c0 + c->chunk - 1;
 }
@@ -398,8 +408,8 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
                 const int64_t t = (row0 + j) / group;
                 const int hq = h * group + (int)((row0 + j) % group);
                 const float *src = c->q + (t * c->n_head + hq) * hd;
-                pos[j] = c->pos0 + t;
-                lo[j] = c->window > 0 && pos[j] - c->window + 1 > 0 ? pos[j] - c->window + 1 : 0;
+                pos[j] = query_hi(c, t);
+                lo[j] = query_lo(c, t);
                 for (int d = 0; d < hd; d++) {
                     qp[(int64_t)d * nr + j] = src[d];
                 }
@@ -433,7 +443,7 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
             for (int64_t i = a; i <= b; i++) {
                 float sv = srow[i] * c->scale;
                 const int64_t d = pos[j] - (kbase + i);
-                if (bq != NULL && d < c->bias_extent) sv += bq[d];
+                if (bq != NULL && d >= 0 && d < c->bias_extent) sv += bq[d];
                 if (c->softcap > 0.0f) {
                     sv = c->softcap * tanhf(sv / c->softcap);
                 }
@@ -501,21 +511,16 @@ static int attn_tiled(lm_pool *acq, attn_ctx *c) {
     return LM_OK;
 }
 
-/* Attention over K and V rows of kv_type with a row stride of kv_stride elements. */
-int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
-                       int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
-                       int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
-                       float softcap) {
-    return lm_attention_typed_bias(pool, q, k, v, kv_type, kv_stride, ring, out, ntok, pos0,
-                                   n_head, n_kv_head, head_dim, scale, window, softcap, NULL, 0);
-}
-
-int lm_attention_typed_bias(lm_pool *pool, const float *q, const void *k, const void *v,
-                            int kv_type, int64_t kv_stride, int64_t ring, float *out,
-                            int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
-                            float scale, int64_t window, float softcap, const float *bias,
-                            int64_t bias_extent) {
-    if ((bias != NULL) != (bias_extent > 0)) return LM_EINVAL;
+/* Attention over K and V rows of kv_type with a row stride of kv_stride elements. bias
+ * (ntok, n_head, bias_extent): added to the scaled scores by distance (NULL, 0: none); bidir:
+ * every query sees every key of the chunk (and those of the window before its first
+ * position). A distance bias is causal: the two are not taken together. */
+static int attention_kv_rows(lm_pool *pool, const float *q, const void *k, const void *v,
+                             int kv_type, int64_t kv_stride, int64_t ring, float *out,
+                             int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
+                             float scale, int64_t window, float softcap, const float *bias,
+                             int64_t bias_extent, int bidir) {
+    if ((bias != NULL) != (bias_extent > 0) || (bias != NULL && bidir)) return LM_EINVAL;
     if (ntok < 0 || pos0 < 0 || n_head <= 0 || n_kv_head <= 0 || head_dim <= 0 || ring < 0 ||
         n_head % n_kv_head != 0 || window < 0 || !(softcap >= 0.0f) ||
         (kv_type != LM_F32 && kv_type != LM_F16) || kv_stride < (int64_t)n_kv_head * head_dim) {
@@ -540,6 +545,7 @@ int lm_attention_typed_bias(lm_pool *pool, const float *q, const void *k, const 
         .pos0 = pos0,
         .window = window,
         .n_ctx = pos0 + ntok,
+        .bidir = bidir != 0,
         .n_head = n_head,
         .n_kv_head = n_kv_head,
         .head_dim = head_dim,
@@ -595,6 +601,31 @@ int lm_attention_typed_bias(lm_pool *pool, const float *q, const void *k, const 
         lm_aligned_free(mem);
     }
     return LM_OK;
+}
+
+int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                       int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
+                       int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
+                       float softcap) {
+    return attention_kv_rows(pool, q, k, v, kv_type, kv_stride, ring, out, ntok, pos0, n_head,
+                             n_kv_head, head_dim, scale, window, softcap, NULL, 0, 0);
+}
+
+int lm_attention_span(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                      int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
+                      int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
+                      float softcap, int bidir) {
+    return attention_kv_rows(pool, q, k, v, kv_type, kv_stride, ring, out, ntok, pos0, n_head,
+                             n_kv_head, head_dim, scale, window, softcap, NULL, 0, bidir);
+}
+
+int lm_attention_typed_bias(lm_pool *pool, const float *q, const void *k, const void *v,
+                            int kv_type, int64_t kv_stride, int64_t ring, float *out,
+                            int64_t ntok, int64_t pos0, int n_head, int n_kv_head, int head_dim,
+                            float scale, int64_t window, float softcap, const float *bias,
+                            int64_t bias_extent) {
+    return attention_kv_rows(pool, q, k, v, kv_type, kv_stride, ring, out, ntok, pos0, n_head,
+                             n_kv_head, head_dim, scale, window, softcap, bias, bias_extent, 0);
 }
 
 int lm_attention(lm_pool *pool, const float *q, const float *k, const float *v, float *out,

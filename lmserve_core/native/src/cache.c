@@ -374,17 +374,10 @@ int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst) {
 
 /* ============================================================================ attention */
 
-int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
-                        float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
-                        int64_t window, float softcap) {
-    return lm_attention_cached_bias(pool, q, cache, layer, out, ntok, pos0, n_head, scale, window,
-                                    softcap, NULL, 0);
-}
-
-int lm_attention_cached_bias(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
-                             float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
-                             int64_t window, float softcap, const float *bias,
-                             int64_t bias_extent) {
+/* Checks that one layer's cache holds what a chunk attends to; *ring_out: its ring (0: a row
+ * for every position). */
+static int cached_rows(const lm_cache *cache, int layer, int64_t pos0, int64_t ntok,
+                       int64_t window, int64_t *ring_out) {
     if (!rows_ok(cache, layer, pos0, ntok)) return LM_EINVAL;
     const lm_cache_layer *g = &cache->layers[layer];
     if (g->n_kv_head <= 0 || g->head_dim_k != g->head_dim_v) return LM_EINVAL;
@@ -394,8 +387,38 @@ int lm_attention_cached_bias(lm_pool *pool, const float *q, const lm_cache *cach
      * rows were written: its window, and the chunk */
     if (ring > 0 && pos0 + ntok > ring && (window <= 0 || window + ntok - 1 > ring))
         return LM_EINVAL;
+    *ring_out = ring;
+    return LM_OK;
+}
+
+int lm_attention_cached_bias(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                             float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                             int64_t window, float softcap, const float *bias,
+                             int64_t bias_extent) {
+    int64_t ring;
+    LM_TRY(cached_rows(cache, layer, pos0, ntok, window, &ring));
+    const lm_cache_layer *g = &cache->layers[layer];
     return lm_attention_typed_bias(pool, q, cache->mem + cache->k_off[layer],
                                    cache->mem + cache->v_off[layer], cache->type, kdim(g), ring,
                                    out, ntok, pos0, n_head, g->n_kv_head, g->head_dim_k, scale,
                                    window, softcap, bias, bias_extent);
+}
+
+int lm_attention_cached_span(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                             float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                             int64_t window, float softcap, int bidir) {
+    int64_t ring;
+    LM_TRY(cached_rows(cache, layer, pos0, ntok, window, &ring));
+    const lm_cache_layer *g = &cache->layers[layer];
+    return lm_attention_span(pool, q, cache->mem + cache->k_off[layer],
+                             cache->mem + cache->v_off[layer], cache->type, kdim(g), ring, out,
+                             ntok, pos0, n_head, g->n_kv_head, g->head_dim_k, scale, window,
+                             softcap, bidir);
+}
+
+int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                        float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                        int64_t window, float softcap) {
+    return lm_attention_cached_span(pool, q, cache, layer, out, ntok, pos0, n_head, scale,
+                                    window, softcap, 0);
 }

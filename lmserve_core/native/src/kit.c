@@ -397,8 +397,9 @@ int lm_attend(lm_base *b, const lm_attn *a, int layer, int src, float *q, float 
         }
         if (k != NULL)
             LM_TRY(lm_cache_write(sq->cache, layer, pos, m, k + off * KVD, v + off * KVD));
-        LM_TRY(lm_attention_cached(pool, qs, sq->cache, src, att + off * QD, m, pos, a->n_head,
-                                   a->scale, a->window, a->softcap));
+        LM_TRY(lm_attention_cached_span(pool, qs, sq->cache, src, att + off * QD, m, pos,
+                                        a->n_head, a->scale, a->window, a->softcap,
+                                        sq->bidirectional));
     }
     return row0 >= r0 + n ? LM_OK : LM_EINVAL;
 }
@@ -1041,6 +1042,20 @@ int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
         LM_TRY(run_chunk(b, &seq, 1, tokens + done, n, out, first));
     }
     return LM_OK;
+}
+
+int lm_forward_bidirectional(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
+                             int64_t pos, float *logits) {
+    if (b == NULL || cache == NULL || tokens == NULL || logits == NULL || ntok <= 0 ||
+        ntok > b->n_batch || pos < 0 || pos > lm_cache_n_ctx(cache) - ntok)
+        return LM_EINVAL;
+    if (!lm_cache_matches(cache, b->n_layer, b->cache_layers)) return LM_EMISMATCH;
+    for (int l = 0; l < b->n_layer; l++)
+        if (b->cache_layers[l].state > 0) return LM_EINVAL; /* a recurrence has no both ways */
+    LM_TRY(check_tokens(b, tokens, ntok));
+    const lm_seq seq = {cache, pos, ntok, 1};
+    b->trace_row = 0;
+    return run_chunk(b, &seq, 1, tokens, ntok, logits, 0);
 }
 
 int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int32_t *tokens,

@@ -500,6 +500,12 @@ int lm_deltanet_check(const lm_base *b, const lm_deltanet *d, int layer);
 int lm_attention_typed(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
                        int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0, int n_head,
                        int n_kv_head, int head_dim, float scale, int64_t window, float softcap);
+/* lm_attention_typed; bidir: every query sees every key of the chunk and the window before its
+ * first position (a block-diffusion canvas), not only the keys up to its own position. */
+int lm_attention_span(lm_pool *pool, const float *q, const void *k, const void *v, int kv_type,
+                      int64_t kv_stride, int64_t ring, float *out, int64_t ntok, int64_t pos0,
+                      int n_head, int n_kv_head, int head_dim, float scale, int64_t window,
+                      float softcap, int bidir);
 
 /* lm_attention_typed with an additive bias by distance: bias (ntok, n_head, bias_extent) adds
  * bias[t, h, d] to the scaled score of query (t, h) and the key d positions before it, for

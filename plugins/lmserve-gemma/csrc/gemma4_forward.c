@@ -106,6 +106,98 @@ static int g4_ple_new(const gemma4_config *c, const gemma4_weights *w, g4_ple **
     return status;
 }
 
+/* DiffusionGemma: the canvas embedding and the two passes' layer scalars (the hooks' ctx). */
+typedef struct g4_diffusion {
+    const float *pre_norm;   /* (n_embd) */
+    lm_matrix gate, up;      /* (n_ff, n_embd) */
+    lm_matrix down;          /* (n_embd, n_ff) */
+    int64_t n_ff;
+    float eps;
+    const float *soft;       /* (n_soft, n_embd) for the next bidirectional pass, or NULL */
+    int64_t n_soft;
+    int n_layer;
+    const float **scales;    /* (2 * n_layer): causal pass's, then the canvas pass's; or NULL */
+} g4_diffusion;
+
+static int g4_canvas_pass(const lm_base *b) {
+    return b->n_seqs == 1 && b->seqs[0].bidirectional;
+}
+
+/* begin_chunk: a canvas's embeddings e become rmsnorm(e + self-conditioning signal). */
+static int g4_canvas_embed(void *ctx, lm_base *b, const int32_t *tokens, int64_t ntok) {
+    (void)tokens;
+    g4_diffusion *d = ctx;
+    if (!g4_canvas_pass(b)) return LM_OK;
+    const int64_t D = b->n_embd, F = d->n_ff;
+    if (d->soft != NULL) {
+        if (d->n_soft != ntok) return LM_EINVAL;
+        float *h = lm_base_tmp(b, sizeof(float) * (size_t)(ntok * (D + 2 * F)));
+        if (h == NULL) return LM_ENOMEM;
+        float *g = h + ntok * D, *u = g + ntok * F;
+        LM_TRY(lm_rmsnorm_rows(b->pool, h, d->soft, d->pre_norm, ntok, D, d->eps));
+        const lm_mm gu[2] = {{d->gate, F, D, h, g}, {d->up, F, D, h, u}};
+        LM_TRY(lm_matmuls(b->pool, gu, 2, ntok));
+        LM_TRY(lm_glu_rows(b->pool, g, g, u, ntok * F, LM_ACT_GELU_TANH));
+        LM_TRY(lm_matmul(b->pool, d->down.type, d->down.data, D, F, g, ntok, b->xb));
+        LM_TRY(lm_add_rows(b->x, b->xb, ntok * D));
+    }
+    d->soft = NULL; /* one pass's */
+    d->n_soft = 0;
+    return lm_rmsnorm_rows(b->pool, b->x, b->x, NULL, ntok, D, d->eps);
+}
+
+/* after_block: the layer's output times the scalar of the pass's kind. */
+static int g4_pass_scale(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n) {
+    const g4_diffusion *d = ctx;
+    const float *s = d->scales[(g4_canvas_pass(b) ? d->n_layer : 0) + layer];
+    return s != NULL ? lm_scale_rows(b->x + r0 * b->n_embd, s[0], n * b->n_embd) : LM_OK;
+}
+
+static void g4_diffusion_free(void *ctx) {
+    g4_diffusion *d = ctx;
+    free(d->scales);
+    free(d);
+}
+
+/* The hooks' weights, checked. */
+static int g4_diffusion_new(const gemma4_config *c, const gemma4_weights *w, g4_diffusion **out) {
+    *out = NULL;
+    if (!lm_matrix_ok(w->sc_gate, c->n_embd) || !lm_matrix_ok(w->sc_up, c->n_embd) ||
+        !lm_matrix_ok(w->sc_down, w->sc_n_ff) || w->sc_n_ff <= 0)
+        return LM_ETYPE;
+    g4_diffusion *d = calloc(1, sizeof *d);
+    const float **scales = calloc(2 * (size_t)c->n_layer, sizeof *scales);
+    if (d == NULL || scales == NULL) {
+        free(d);
+        free(scales);
+        return LM_ENOMEM;
+    }
+    *d = (g4_diffusion){w->sc_pre_norm, w->sc_gate, w->sc_up, w->sc_down, w->sc_n_ff,
+                        c->rms_eps, NULL, 0, c->n_layer, scales};
+    for (int l = 0; l < c->n_layer; l++) {
+        const gemma4_layer *L = &w->layers[l];
+        scales[l] = L->enc_out_scale;
+        scales[c->n_layer + l] = L->out_scale;
+        if ((L->out_scale != NULL && !isfinite(L->out_scale[0])) ||
+            (L->enc_out_scale != NULL && !isfinite(L->enc_out_scale[0]))) {
+            g4_diffusion_free(d);
+            return LM_EINVAL;
+        }
+    }
+    *out = d;
+    return LM_OK;
+}
+
+int gemma4_self_condition(lm_base *b, const float *soft, int64_t n) {
+    lm_decoder_model *m = (lm_decoder_model *)b;
+    if (b == NULL || m->dec.begin_chunk != g4_canvas_embed || n < 0 || (soft == NULL) != (n == 0))
+        return LM_EINVAL;
+    g4_diffusion *d = m->dec.ctx;
+    d->soft = soft;
+    d->n_soft = n;
+    return LM_OK;
+}
+
 /* Layer l of the tables as a block of the kit's decoder. */
 static void g4_block(lm_decoder_model *m, const gemma4_config *c, const lm_layer_tensors *T,
                      const gemma4_layer *L, int l) {
@@ -138,17 +230,29 @@ int gemma4_build(const gemma4_config *config, const lm_decoder_tensors *tensors,
         weights->layers == NULL || out == NULL || c->n_layer <= 0 || c->n_embd_per_layer < 0 ||
         c->n_swa < 0)
         return LM_EINVAL;
+    const int diffusion = weights->sc_pre_norm != NULL;
+    if (diffusion && c->n_embd_per_layer > 0) return LM_EINVAL; /* one set of hooks */
     g4_ple *ple = NULL;
+    g4_diffusion *dif = NULL;
     if (c->n_embd_per_layer > 0) LM_TRY(g4_ple_new(c, weights, &ple));
+    if (diffusion) LM_TRY(g4_diffusion_new(c, weights, &dif));
     lm_decoder_model *m;
     const int status = lm_decoder_new(c->n_layer, &m);
     if (status != LM_OK) {
         free(ple);
+        if (dif != NULL) g4_diffusion_free(dif);
         return status;
     }
     m->rope = tensors->rope;
     m->rope_swa = tensors->rope_swa;
     for (int l = 0; l < c->n_layer; l++) g4_block(m, c, &tensors->layers[l], &weights->layers[l], l);
+    if (dif != NULL) {
+        for (int l = 0; l < c->n_layer; l++) m->blocks[l].out_scale = NULL; /* the hook's */
+        m->dec.ctx = dif;
+        m->dec.free_ctx = g4_diffusion_free;
+        m->dec.begin_chunk = g4_canvas_embed;
+        m->dec.after_block = g4_pass_scale;
+    }
     m->dec.embd_scale = sqrtf((float)c->n_embd);
     m->dec.logit_softcap = c->logit_softcap;
     if (ple != NULL) {

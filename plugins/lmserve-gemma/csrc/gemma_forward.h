@@ -70,6 +70,9 @@ typedef struct gemma4_layer {
     lm_matrix proj;           /* (n_embd, n_embd_per_layer) PLE projection */
     const float *ple_post_norm;  /* (n_embd) RMS norm of the PLE projection */
     const float *out_scale;   /* (1) multiplies the layer's output (layer_output_scale), or NULL */
+    const float *enc_out_scale; /* DiffusionGemma (1): multiplies the output of a causal pass
+                                   (enc_layer_output_scale; out_scale then multiplies that of
+                                   a bidirectional canvas pass), else NULL */
 } gemma4_layer;
 
 typedef struct gemma4_weights {
@@ -77,6 +80,12 @@ typedef struct gemma4_weights {
     lm_matrix ple_token_embd;   /* (n_vocab, n_layer * n_embd_per_layer) per_layer_token_embd */
     lm_matrix ple_model_proj;   /* (n_layer * n_embd_per_layer, n_embd) per_layer_model_proj */
     const float *ple_proj_norm; /* (n_embd_per_layer) per_layer_proj_norm */
+    /* DiffusionGemma's self-conditioning MLP (sc_pre_norm NULL: not a diffusion model) */
+    const float *sc_pre_norm;   /* (n_embd) self_cond_pre_norm */
+    lm_matrix sc_gate;          /* (sc_n_ff, n_embd) self_cond_gate */
+    lm_matrix sc_up;            /* (sc_n_ff, n_embd) self_cond_up */
+    lm_matrix sc_down;          /* (n_embd, sc_n_ff) self_cond_down */
+    int64_t sc_n_ff;
 } gemma4_weights;
 
 /* tensors: the kit's lm_decoder_tensors (rope: global layers, NEOX, rope.freq_base and the
@@ -86,6 +95,16 @@ typedef struct gemma4_weights {
  * lm_model_free. */
 int gemma4_build(const gemma4_config *config, const lm_decoder_tensors *tensors,
                  const gemma4_weights *weights, int n_threads, int64_t n_batch, lm_base **out);
+
+/* DiffusionGemma (weights with sc_pre_norm): a causal pass (lm_forward) is the encoder's
+ * (layer outputs times enc_out_scale); a bidirectional pass (lm_forward_bidirectional) is the
+ * denoiser's over a canvas: its embeddings e (times sqrt(n_embd)) become
+ * rmsnorm(e + sc_down . (gelu_tanh(sc_gate . s) * (sc_up . s))) without weight, where
+ * s = rmsnorm(soft) * sc_pre_norm, and its layer outputs are times out_scale. `soft` (n rows
+ * of n_embd, borrowed until the next call) are the soft embeddings of the previous step's
+ * logits for the next bidirectional pass of n rows; NULL: none (the first step, whose
+ * self-conditioning signal is 0). LM_EINVAL for a model without self-conditioning. */
+int gemma4_self_condition(lm_base *b, const float *soft, int64_t n);
 
 /* cdef-end */
 

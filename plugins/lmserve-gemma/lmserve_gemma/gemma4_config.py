@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -29,6 +30,9 @@ MAX_HEAD_DIM = 1024
 @dataclass(frozen=True, slots=True)
 class Gemma4Config:
     """What the Gemma 4 forward pass needs; per-layer tuples have ``n_layer`` entries."""
+
+    ARCHITECTURE: ClassVar[str] = "gemma4"
+    NAME: ClassVar[str] = "Gemma 4"
 
     architecture: str
     n_layer: int
@@ -65,8 +69,8 @@ class Gemma4Config:
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Gemma4Config:
         """Read the config from a GGUF's metadata; unknown keys are ignored."""
-        if gguf.architecture != "gemma4":
-            raise GGUFError(f"architecture {gguf.architecture!r} is not Gemma 4")
+        if gguf.architecture != cls.ARCHITECTURE:
+            raise GGUFError(f"architecture {gguf.architecture!r} is not {cls.NAME}")
         hp = HParams(gguf)
         n_layer = hp.block_count()
         n_embd = hp.integer("embedding_length")

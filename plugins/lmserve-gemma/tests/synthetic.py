@@ -70,12 +70,17 @@ import json
 import re
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from lmserve_gemma.convert_diffusion import LAYER_NAMES
+from lmserve_gemma.gguf_vocab import BYTE_TOKEN, Vocab, add_vocab, load_json
+from lmserve_gemma.gguf_vocab import GEMMA4_VISIBLE as GEMMA4_VISIBLE  # test_gemma_synthetic.py
+from lmserve_gemma.gguf_vocab import gemma4_vocab as bpe_vocab
+from lmserve_gemma.gguf_vocab import special_vocab as _special_vocab
 
 from lmserve_core.testing import synthetic as shared
 from lmserve_core.testing.assets import TOKENIZERS, cache_dir, tokenizer_dir
@@ -139,19 +144,6 @@ GEMMA4_TOKEN_NAMES = {
     "std_token": "<|tool>",
     "etd_token": "<tool|>",
 }
-# Gemma4Model.set_vocab writes these USER_DEFINED, so that llama.cpp always renders them.
-GEMMA4_VISIBLE = frozenset(
-    {
-        "<|channel>",
-        "<channel|>",
-        "<|tool_call>",
-        "<tool_call|>",
-        "<|tool_response>",
-        "<tool_response|>",
-        '<|"|>',
-    }
-)
-
 # A user turn as each family's chat template renders it (generation prompt included).
 PROMPTS = {
     "gemma3": "<bos><start_of_turn>user\nWhat is the capital of France? Answer in one short "
@@ -357,42 +349,6 @@ def rope_freqs(g: Geometry) -> np.ndarray:
 # ------------------------------------------------------------------ tokenizers
 
 
-@dataclass
-class Vocab:
-    """What a GGUF carries of a tokenizer, in the order convert_hf_to_gguf.py writes it."""
-
-    model: str  # tokenizer.ggml.model
-    pre: str | None
-    tokens: list[str]
-    scores: list[float]
-    token_types: list[int]
-    merges: list[str] = field(default_factory=list)
-    special_ids: dict[str, int] = field(default_factory=dict)
-    add_special: dict[str, bool] = field(default_factory=dict)
-    chat_template: str | None = None
-
-
-def _load_json(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _special_vocab(path: Path, vocab: Vocab, *, merges: bool) -> None:
-    """Special ids, add_bos/add_eos/add_sep, merges and template: gguf's SpecialVocab."""
-    from gguf.vocab import SpecialVocab
-
-    special = SpecialVocab(path, load_merges=merges, n_vocab=len(vocab.tokens))
-    vocab.special_ids = dict(special.special_token_ids)
-    vocab.add_special = dict(special.add_special_token)
-    vocab.merges = list(special.merges)
-    template = special.chat_template
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"{path}: only a single chat template is supported")
-    vocab.chat_template = template
-
-
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-
 def spm_vocab(path: Path, n_vocab: int = N_VOCAB) -> Vocab:
     """Gemma 3's vocabulary as Gemma3Model (``_set_vocab_sentencepiece``) writes it.
 
@@ -403,11 +359,11 @@ def spm_vocab(path: Path, n_vocab: int = N_VOCAB) -> Vocab:
     last. Byte pieces score 0; the added tokens of tokenizer_config.json are CONTROL (special
     or special-looking) or USER_DEFINED (spaces pre-normalized) and score -1000.
     """
-    data = _load_json(path / "tokenizer.json")
-    config = _load_json(path / "tokenizer_config.json")
+    data = load_json(path / "tokenizer.json")
+    config = load_json(path / "tokenizer_config.json")
     pieces = {i: t for t, i in data["model"]["vocab"].items()}
     tokens = [pieces.get(i, f"[PAD{i}]") for i in range(n_vocab)]
-    types = [TokenType.BYTE if _BYTE_TOKEN.fullmatch(t) else TokenType.NORMAL for t in tokens]
+    types = [TokenType.BYTE if BYTE_TOKEN.fullmatch(t) else TokenType.NORMAL for t in tokens]
     scores = [0.0] * n_vocab
     for key, entry in config.get("added_tokens_decoder", {}).items():
         i, text = int(key), entry["content"]
@@ -435,67 +391,6 @@ def spm_vocab(path: Path, n_vocab: int = N_VOCAB) -> Vocab:
     return vocab
 
 
-def bpe_vocab(path: Path) -> Vocab:
-    """Gemma 4's vocabulary as Gemma4Model.set_vocab writes it (gguf's LlamaHfVocab).
-
-    Every score is -1000; ``<0xXX>`` pieces are BYTE; the tokenizer's special tokens (bos,
-    eos, unk, pad, mask and the ``extra_special_tokens``) CONTROL, but for
-    :data:`GEMMA4_VISIBLE` (USER_DEFINED); the rest NORMAL. Merges are written, and
-    add_bos_token is always true.
-    """
-    data = _load_json(path / "tokenizer.json")
-    config = _load_json(path / "tokenizer_config.json")
-    pieces = {i: t for t, i in data["model"]["vocab"].items()}
-    n_vocab = len(pieces)
-    if sorted(pieces) != list(range(n_vocab)) or any(
-        a["id"] >= n_vocab for a in data.get("added_tokens", [])
-    ):
-        raise ValueError(f"{path}: expected a dense vocabulary without tokens past it")
-    by_text = {t: i for i, t in pieces.items()}
-    names = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-    names.append(config.get("mask_token", "<mask>"))  # GemmaTokenizer's default mask
-    names += list(config.get("extra_special_tokens", {}).values())
-    special = {by_text[n] for n in names if isinstance(n, str) and n in by_text}
-    tokens = [pieces[i] for i in range(n_vocab)]
-    types: list[int] = []
-    for i, text in enumerate(tokens):
-        if text in GEMMA4_VISIBLE:
-            types.append(TokenType.USER_DEFINED)
-        elif _BYTE_TOKEN.fullmatch(text):
-            types.append(TokenType.BYTE)
-        elif i in special:
-            types.append(TokenType.CONTROL)
-        else:
-            types.append(TokenType.NORMAL)
-    vocab = Vocab("gemma4", None, tokens, [-1000.0] * n_vocab, [int(t) for t in types])
-    _special_vocab(path, vocab, merges=True)
-    vocab.add_special["space_prefix"] = False
-    vocab.add_special["bos"] = True
-    return vocab
-
-
-def add_vocab(writer: GGUFWriter, vocab: Vocab) -> None:
-    writer.add_tokenizer_model(vocab.model)
-    if vocab.pre is not None:
-        writer.add_tokenizer_pre(vocab.pre)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_scores(vocab.scores)
-    writer.add_token_types(vocab.token_types)
-    if vocab.merges:
-        writer.add_token_merges(vocab.merges)
-    for kind, tid in vocab.special_ids.items():
-        add = getattr(writer, f"add_{kind}_token_id", None)
-        if add is not None:
-            add(tid)
-    for kind, value in vocab.add_special.items():
-        if kind != "space_prefix":
-            getattr(writer, f"add_add_{kind}_token")(value)
-    if vocab.chat_template is not None:
-        writer.add_chat_template(vocab.chat_template)
-    if "space_prefix" in vocab.add_special:
-        writer.add_add_space_prefix(vocab.add_special["space_prefix"])
-
-
 def _template_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
@@ -504,8 +399,8 @@ def write_gemma4_tokenizer(src: Path, dest: Path) -> None:
     """Gemma 3's tokenizer files made Gemma 4's: :data:`GEMMA4_TOKENS` renamed in the vocab
     and the added tokens (special), ``<image_soft_token>`` (past the vocab) dropped, eos
     ``<turn|>``, Gemma 4's ``extra_special_tokens`` and chat template."""
-    data = _load_json(src / "tokenizer.json")
-    config = _load_json(src / "tokenizer_config.json")
+    data = load_json(src / "tokenizer.json")
+    config = load_json(src / "tokenizer_config.json")
     vocab: dict[str, int] = data["model"]["vocab"]
     by_id = {i: t for t, i in vocab.items()}
     old = {by_id[i] for i in GEMMA4_TOKENS}
@@ -544,7 +439,7 @@ def family_tokenizer_dir(fam: str) -> Path:
     """``tokenizer.json`` + ``tokenizer_config.json`` of ``fam``'s models (Gemma 4's cached)."""
     src = tokenizer_dir("gemma3")
     if fam == "gemma3":
-        config = _load_json(src / "tokenizer_config.json")
+        config = load_json(src / "tokenizer_config.json")
         if config.get("chat_template") != GEMMA3_TEMPLATE.read_text(encoding="utf-8"):
             raise ValueError(f"{GEMMA3_TEMPLATE} is not the template of {src}")
         return src
@@ -744,32 +639,10 @@ _TOP_MAP = {
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 _LAYER_MAP = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    # Gemma 4
-    "layer_scalar": "layer_output_scale.weight",
+    **LAYER_NAMES,  # Gemma 3's are Gemma 4's without the scalar, the experts and the PLE
     "per_layer_input_gate.weight": "inp_gate.weight",
     "per_layer_projection.weight": "proj.weight",
     "post_per_layer_input_norm.weight": "post_norm.weight",
-    "router.proj.weight": "ffn_gate_inp.weight",
-    "router.scale": "ffn_gate_inp.scale",
-    "router.per_expert_scale": "ffn_down_exps.scale",
-    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
-    "experts.down_proj": "ffn_down_exps.weight",
-    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
-    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
-    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
 }
 
 

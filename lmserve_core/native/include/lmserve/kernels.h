@@ -182,6 +182,11 @@ int lm_attention_cached_bias(lm_pool *pool, const float *q, const lm_cache *cach
                              float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
                              int64_t window, float softcap, const float *bias,
                              int64_t bias_extent);
+/* lm_attention_cached; bidir: every query sees every key of the chunk and those of the window
+ * before its first position (a block-diffusion canvas), not only the keys up to its own. */
+int lm_attention_cached_span(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
+                             float *out, int64_t ntok, int64_t pos0, int n_head, float scale,
+                             int64_t window, float softcap, int bidir);
 
 /* ------------------------------------------------------------------ model base and layers */
 /* Fill the kit's part of a family model: a pool of n_threads (<= 0: one per core), the
@@ -259,6 +264,11 @@ int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64
  * last token, or (ntok, n_vocab) with all_logits. Checks ids, positions and cache geometry. */
 int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok, int64_t pos,
                float *logits, int all_logits);
+/* One chunk (ntok <= n_batch) whose rows see each other both ways (lm_seq.bidirectional: a
+ * block-diffusion canvas after its prefix, or the window of it): writes the chunk's cache rows
+ * at positions pos.. and logits (ntok, n_vocab) of every row. Checks as lm_forward. */
+int lm_forward_bidirectional(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
+                             int64_t pos, float *logits);
 /* One step of several sequences in one weight pass: sequence i runs ntoks[i] tokens (taken
  * in order from tokens) at positions pos[i].. of caches[i]; logits (sum ntoks, n_vocab) of
  * every row. At most n_batch rows in all; the caches are distinct. Checks as lm_forward. */

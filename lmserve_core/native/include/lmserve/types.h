@@ -317,6 +317,8 @@ typedef struct lm_seq {
     lm_cache *cache;
     int64_t pos;            /* position of its first row */
     int64_t ntok;           /* rows it has in the chunk */
+    int bidirectional;      /* 1: each row also sees the later rows of its sequence in the
+                               chunk (a block-diffusion canvas); 0: causal */
 } lm_seq;
 
 /* The forward pass of one chunk of at most n_batch rows: the rows of the sequences in the

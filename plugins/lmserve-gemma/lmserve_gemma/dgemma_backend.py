@@ -1,0 +1,150 @@
+"""DiffusionGemma served: the generic chat path (prompt, slots, stop strings, reasoning, the
+dialects' events) with block diffusion in place of token-by-token decoding.
+
+A generation reads its prompt causally (the slot's prefix, reused across requests as any
+family's), then denoises one block at a time (:class:`~.dgemma_sampler.BlockDenoiser`, one
+denoising step per engine step, so others' requests and cancellation interleave). A finished
+block is committed: cut before its first end-of-sequence id, sent as ONE text delta (stop
+strings and the reasoning router see its text), counted in the usage, and, unless the reply
+ends there, read causally into the prefix for the next block.
+
+``max_tokens`` bounds the committed tokens: the last block is cut to it (each block costs a
+whole canvas of work, ``canvas_length`` positions of context). Grammars and tools are
+refused with a 400 naming the field (the reference offers neither); sampling fields other
+than ``seed`` are ignored (the sampler's parameters are the file's ``diffusion.eb_*``); a
+request's ``seed`` makes its reply reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmserve_core.backend import ServerSettings
+from lmserve_core.errors import InvalidRequest
+from lmserve_core.events import EventSink, FinishReason
+from lmserve_core.gguf_chat import Generation, GGUFChatBackend
+from lmserve_core.request import NormalizedRequest, ToolChoiceMode
+
+from .dgemma_model import DiffusionGemmaModel
+from .dgemma_sampler import BlockDenoiser, trim_at_eos
+
+
+@dataclass(eq=False)
+class _Blocks:
+    """A generation's block diffusion: its random source and the block being denoised."""
+
+    rng: np.random.Generator
+    block: BlockDenoiser | None = None
+    pos: int = 0  # where the block's canvas sits
+
+
+class DiffusionChatBackend(GGUFChatBackend):
+    """The chat backend of ``diffusion-gemma`` files."""
+
+    model: DiffusionGemmaModel
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        canvas = self.model.config.canvas_length
+        if canvas > self.model.n_batch:
+            raise ValueError(f"a canvas of {canvas} does not fit the batch of "
+                             f"{self.model.n_batch} (--batch)")
+        self._blocks: dict[Generation, _Blocks] = {}
+
+    def _draft_source(self, settings: ServerSettings) -> None:
+        return None  # a block is not decoded token by token: nothing to draft
+
+    def validate(self, request: NormalizedRequest) -> None:
+        """The generic checks, after refusing what block diffusion cannot honour."""
+        if request.tools and request.tool_choice.mode != ToolChoiceMode.NONE:
+            raise InvalidRequest("'tools': DiffusionGemma does not call tools", param="tools")
+        if request.constraint is not None:
+            field = request.constraint.field or "response_format"
+            raise InvalidRequest(f"'{field}': DiffusionGemma does not do constrained decoding",
+                                 param=field)
+        super().validate(request)
+
+    def begin(self, request: NormalizedRequest, sink: EventSink) -> Generation:
+        gen = super().begin(request, sink)
+        if gen.finish is None:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = self.settings.seed
+            self._blocks[gen] = _Blocks(np.random.default_rng(seed))
+        return gen
+
+    def step(self, gens: Any) -> None:
+        """One step of every unfinished generation: a prompt chunk for one still reading
+        its prompt, one denoising step (or a committed block) for the others."""
+        for gen in gens:
+            if gen.finish is not None:
+                continue
+            if not gen.prefilled:
+                self._guard(gen, self._prefill_some, gen, False)
+            else:
+                self._guard(gen, self._diffuse, gen)
+
+    def _diffuse(self, gen: Generation) -> None:
+        if gen.sink.cancelled:
+            self._end(gen, "cancelled")
+            return
+        state = self._blocks[gen]
+        if state.block is None:
+            slot, canvas = gen.kv, self.model.config.canvas_length
+            state.pos = len(slot.tokens)
+            if len(gen.generated) >= gen.prepared.max_tokens or (
+                state.pos + canvas > self.context_length
+            ):
+                self._end(gen, "length")
+                return
+            pos, vocab = state.pos, self.vocab_size
+
+            def denoise(ids: np.ndarray, sc: np.ndarray | None) -> np.ndarray:
+                full = None if sc is None else self._padded(sc)
+                return self.model.denoise(slot.cache, ids.tolist(), pos, full)[:, :vocab]
+
+            state.block = BlockDenoiser(denoise, self.model.config.sampler, canvas, vocab,
+                                        state.rng)
+        if state.block.step():
+            tokens, state.block = state.block.tokens, None
+            self._commit(gen, tokens, state.pos)
+
+    def _padded(self, logits: np.ndarray) -> np.ndarray:
+        """Logits over the tokenizer's ids as the model's rows (padding rows never drawn)."""
+        n = int(self.model.n_vocab)
+        if logits.shape[1] == n:
+            return logits
+        out = np.full((len(logits), n), -np.inf, np.float32)
+        out[:, : logits.shape[1]] = logits
+        return out
+
+    def _commit(self, gen: Generation, block: list[int], pos: int) -> None:
+        """The block joins the reply (one delta) and, unless the reply ends, the prefix."""
+        kept, ended = trim_at_eos(block, self.stop_ids)
+        room = gen.prepared.max_tokens - len(gen.generated)
+        cut = len(kept) > room
+        kept = kept[:room]
+        gen.generated.extend(kept)
+        out = gen.out
+        assert out is not None
+        thinking = out.router is not None and out.router.in_reasoning
+        text = "".join(gen.decoder.push(t) for t in kept)
+        fired = out.push(text)
+        if thinking and kept:
+            out.reasoning_tokens += len(kept) - 1  # push counted the block once
+        if fired:
+            self._end(gen, "stop_sequence")
+        elif ended:
+            self._end(gen, "stop")
+        elif cut or len(gen.generated) >= gen.prepared.max_tokens:
+            self._end(gen, "length")
+        else:
+            self.model.forward(gen.kv.cache, kept, pos)
+            gen.kv.tokens.extend(kept)
+
+    def _end(self, gen: Generation, reason: FinishReason) -> None:
+        super()._end(gen, reason)
+        self._blocks.pop(gen, None)

@@ -1,0 +1,119 @@
+"""DiffusionGemma served (lmserve_gemma.dgemma_backend) on the synthetic model, through the
+SDKs: a block per streamed delta, usage counting committed tokens, max_tokens, seeded
+replies reproducible, slot reuse of the causal prefix, grammars and tools refused with a 400
+naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from lmserve_gemma import plugin
+from lmserve_gemma.dgemma_backend import DiffusionChatBackend
+
+from lmserve_core.backend import ServerSettings
+from lmserve_core.testing.serving import serve
+
+openai = pytest.importorskip("openai")
+
+CANVAS = 16
+STEPS = 3  # denoising steps per block: the file's 48 would make each reply take seconds
+MESSAGES = [{"role": "user", "content": "Write a short sentence about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def served(diffusion_gemma: Any) -> Iterator[tuple[Any, Any, DiffusionChatBackend]]:
+    pytest.importorskip("litestar")
+    settings = ServerSettings(ctx=256, threads=2)
+    backend = plugin.create_backend(str(diffusion_gemma.gguf), settings)
+    assert isinstance(backend, DiffusionChatBackend)
+    config = backend.model.config
+    backend.model.config = dataclasses.replace(
+        config, sampler=config.sampler.replace(max_denoising_steps=STEPS)
+    )
+    with serve(backend, settings) as client:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client,
+                            max_retries=0)
+        yield client, sdk, backend
+
+
+def test_a_seeded_reply_is_reproducible_and_counts_committed_tokens(served: Any) -> None:
+    _, sdk, _ = served
+    replies = [sdk.chat.completions.create(model="m", messages=MESSAGES, max_tokens=40,
+                                           seed=seed) for seed in (7, 7, 8)]
+    a, b, c = replies
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content != c.choices[0].message.content
+    for r in replies:
+        assert 0 < r.usage.completion_tokens <= 40
+        if r.choices[0].finish_reason == "length":
+            assert r.usage.completion_tokens == 40  # blocks of 16, the third cut to 8
+
+
+def test_a_block_is_one_delta(served: Any) -> None:
+    _, sdk, _ = served
+    stream = sdk.chat.completions.create(model="m", messages=MESSAGES, max_tokens=48, seed=3,
+                                         stream=True, stream_options={"include_usage": True})
+    deltas, usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+    assert usage is not None and deltas
+    assert len(deltas) <= math.ceil(usage.completion_tokens / CANVAS)
+    whole = sdk.chat.completions.create(model="m", messages=MESSAGES, max_tokens=48, seed=3)
+    assert "".join(deltas) == whole.choices[0].message.content
+
+
+def test_responses_and_messages_dialects(served: Any) -> None:
+    client, sdk, _ = served
+    resp = sdk.responses.create(model="m", input="Say something.", max_output_tokens=20)
+    assert resp.status in ("completed", "incomplete")
+    assert 0 < resp.usage.output_tokens <= 20
+    r = client.post("/v1/messages", json={
+        "model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["stop_reason"] in ("end_turn", "max_tokens")
+    assert 0 < body["usage"]["output_tokens"] <= 20
+
+
+def test_slot_reuse_gives_the_cold_reply(served: Any) -> None:
+    _, sdk, backend = served
+    ask = dict(model="m", messages=MESSAGES, max_tokens=32, seed=11)
+    first = sdk.chat.completions.create(**ask)
+    again = sdk.chat.completions.create(**ask)
+    details = again.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_grammars_and_tools_are_refused_naming_the_field(served: Any) -> None:
+    client, _, _ = served
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": MESSAGES, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = client.post("/v1/messages", json={
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
+    assert r.status_code == 400 and "tools" in r.text, r.text
+
+
+def test_stop_strings_apply_to_committed_text(served: Any) -> None:
+    _, sdk, _ = served
+    ask = dict(model="m", messages=MESSAGES, max_tokens=32, seed=5)
+    whole = sdk.chat.completions.create(**ask).choices[0].message.content
+    assert len(whole) > 12
+    stop = whole[8:12]
+    cut = sdk.chat.completions.create(**ask, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == whole[: whole.index(stop)]
