@@ -69,3 +69,17 @@ def test_convert_quantized(diffusion_gemma: Any, tmp_path: Path) -> None:
     kinds = {gguf.tensors[n].type_name for n in gguf.tensors}
     assert kinds == {"Q8_0", "F32"}  # 1-D tensors stay f32
     assert gguf.tensors["blk.0.ffn_gate_inp.weight"].type_name == "F32"
+
+
+def test_lmserve_convert_writes_the_file(diffusion_gemma: Any, tmp_path: Path) -> None:
+    from lmserve_core import cli
+    from lmserve_core.plugins import converters
+
+    if "DiffusionGemmaForBlockDiffusion" not in converters():
+        pytest.skip("lmserve-gemma is not installed (its entry point registers the converter)")
+    out = tmp_path / "dgemma-f16.gguf"
+    assert cli.main(["convert", str(diffusion_gemma.hf_dir), str(out), "--outtype", "f16"]) == 0
+    with GGUFFile.open(out) as g:
+        assert g.architecture == "diffusion-gemma"
+        assert g.get("diffusion.canvas_length") == 16
+        assert g.tensors["self_cond_gate.weight"].type_name == "F16"
