@@ -481,8 +481,8 @@ def convert_command(argv: Sequence[str]) -> int:
         plugins.load_module_plugin(module)
     found = plugins.converters()
     if args.list:
-        for spec in sorted(found.values(), key=lambda s: s.architecture):
-            print(f"{spec.architecture}  plugin: {spec.plugin}  {spec.description}".rstrip())
+        for entry in sorted(found.values(), key=lambda s: s.architecture):
+            print(f"{entry.architecture}  plugin: {entry.plugin}  {entry.description}".rstrip())
         return 0
     if not args.hf_dir or not args.out:
         parser.error("HF_DIR and OUT are required")
