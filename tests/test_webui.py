@@ -256,7 +256,9 @@ def test_reasoning_folds_into_a_block_and_the_switch_asks_for_it(
     assert tab.is_visible("#thinking-switch")
     bodies = chat_requests(tab)
     tab.check("#thinking")
-    send(tab, "#think:weighing the options one by one #reply:done #delay:40")
+    # (the scripted thought arrives at once; the delay before the reply's one piece is the
+    # time the block stays open: long enough for a busy browser to be seen in that state)
+    send(tab, "#think:weighing the options one by one #reply:done #delay:600")
     # open while the model thinks ...
     tab.wait_for_selector(".msg.assistant.live .reasoning[open]")
     wait_idle(tab)
