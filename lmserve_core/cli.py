@@ -17,6 +17,7 @@ import structlog
 
 from . import __version__, logs, plugins
 from .backend import BackendSpec, ServerSettings
+from .cartridge.file import CartridgeError
 from .errors import LmserveError
 
 log = structlog.get_logger("lmserve")
@@ -24,7 +25,6 @@ log = structlog.get_logger("lmserve")
 # Flags of features that are not built yet: parsed so scripts keep working, refused
 # with a clear message instead of being silently ignored.
 _NOT_YET = {
-    "cartridge": "--cartridge (KV-prefix cartridges)",
     "fleet": "--fleet (cartridge fleets)",
     "experts": "--experts (MoE expert borrowing)",
 }
@@ -198,7 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL.gguf",
         help="speculative decoding with drafts from a smaller model of the same vocabulary",
     )
-    s.add_argument("--cartridge", help="preload a KV-prefix cartridge")
+    s.add_argument(
+        "--cartridge",
+        metavar="FILE",
+        help="serve every conversation behind this KV-prefix cartridge (a .safetensors file "
+        "from `lmserve cartridge build`; docs/cartridges.md): its rows come before the "
+        "prompt's, count in no usage and take the cache p rows beyond --ctx",
+    )
     s.add_argument("--fleet", help="serve a cartridge fleet from DIR")
     s.add_argument("--experts", choices=["borrow"], help="MoE expert placement")
     o = p.add_argument_group("logging")
@@ -236,6 +242,8 @@ def _check_ranges(args: argparse.Namespace) -> None:
         args.model, args.backend = args.nanochat, "nanochat"
     if args.spec_draft and not Path(args.spec_draft).is_file():
         raise UsageError(f"draft model file not found: {args.spec_draft}")
+    if args.cartridge and not Path(args.cartridge).is_file():
+        raise UsageError(f"cartridge file not found: {args.cartridge}")
     for name, what in _NOT_YET.items():
         if getattr(args, name):
             raise UsageError(f"{what} is not available in this version of lmserve")
@@ -341,12 +349,18 @@ def serve(args: argparse.Namespace) -> int:
             "source": args.source,
             "tokenizer": args.tokenizer,
             "load_type": args.load_type,
+            "cartridge": args.cartridge,
         },
     )
     try:
         backend = spec.factory(model, settings)
+    except CartridgeError as exc:
+        raise UsageError(f"--cartridge: {exc}") from exc
     except (OSError, ValueError, LmserveError) as exc:  # e.g. a chat template that cannot load
         raise UsageError(f"cannot load {model}: {exc}") from exc
+    if args.cartridge and getattr(backend, "prefix", None) is None:
+        backend.close()
+        raise UsageError(f"--cartridge: the {spec.name} backend does not serve cartridges")
     if args.batch > 1 and not callable(getattr(backend, "step", None)):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
     if (args.spec or args.spec_draft) and getattr(backend, "drafts", None) is None:
@@ -534,6 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return list_plugins_command()
     if argv[:1] == ["convert"]:
         return convert_command(argv[1:])
+    if argv[:1] == ["cartridge"]:
+        from .cartridge.cli import main as cartridge_main
+
+        return cartridge_main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, log_format=args.log_format)
     try:
