@@ -114,7 +114,11 @@ class PrefixedCache:
 
     def restore(self, n: int, state: Any) -> None:
         """Load what :meth:`snapshot` saved: the prefix comes from the state too."""
-        self.inner.restore(n + self.prefix.p, state)
+        try:
+            self.inner.restore(n + self.prefix.p, state)
+        except BaseException:
+            self.prefix.write(self.inner.native)  # whatever a refused state left there
+            raise
 
     def stand_behind(self, prefix: PrefixRows) -> None:
         """Put ``prefix`` under this cache instead (a fleet's per-conversation choice): its
