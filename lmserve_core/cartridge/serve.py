@@ -229,8 +229,8 @@ def prefixed_model(model: Any, cartridge: str | Cartridge, gguf: Any, model_id: 
     from .file import read_cartridge
 
     log = structlog.get_logger("lmserve.cartridge")
-    source = "cartridge" if isinstance(cartridge, Cartridge) else str(cartridge)
     cart = cartridge if isinstance(cartridge, Cartridge) else read_cartridge(cartridge)
+    source = cart.path or "cartridge"
     heads, dims = cartridge_geometry(model, what=f"{model_id} ({gguf.architecture})")
     check_geometry(cart, heads, dims, source=source, model=f"{model_id}")
     made_for = {k: cart.metadata.get(k) for k in ("architecture", "model_id")}
