@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Serve a GGUF language model behind the OpenAI Chat Completions, OpenAI "
             "Responses and Anthropic Messages APIs. `lmserve plugins` lists installed "
-            "plugins and backends."
+            "plugins and backends; `lmserve convert` converts checkpoints; `lmserve "
+            "cartridge build` makes KV-prefix cartridges (--cartridge)."
         ),
     )
     p.add_argument(

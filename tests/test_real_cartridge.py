@@ -360,3 +360,7 @@ def test_build_refuses_what_it_cannot_make(tmp_path: Path) -> None:
     assert not (tmp_path / "c.safetensors").exists()
     done = build(model, corpus, tmp_path / "c.safetensors", p=1)
     assert done.returncode == 2 and "--p must be at least 2" in done.stderr
+    if importlib.util.find_spec("lmserve_core.cartridge.train") is None:
+        done = run_lmserve("cartridge", "build", str(corpus), str(tmp_path / "c.safetensors"),
+                           "--p", "4", "--train")
+        assert done.returncode == 2 and "needs the train extra" in done.stderr
