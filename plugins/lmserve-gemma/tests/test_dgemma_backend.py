@@ -106,6 +106,9 @@ def test_grammars_and_tools_are_refused_naming_the_field(served: Any) -> None:
         "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
     assert r.status_code == 400 and "tools" in r.text, r.text
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
 def test_stop_strings_apply_to_committed_text(served: Any) -> None:
@@ -117,3 +120,82 @@ def test_stop_strings_apply_to_committed_text(served: Any) -> None:
     cut = sdk.chat.completions.create(**ask, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.message.content == whole[: whole.index(stop)]
+
+
+def _denoiser_passes(backend: DiffusionChatBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that counts the denoiser passes the backend runs from now on."""
+    calls: list[int] = []
+    real = backend.model.denoise
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend.model, "denoise", counted)
+    return calls
+
+
+def test_the_diffusion_object_overrides_the_sampler_per_request(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, sdk, backend = served
+    calls = _denoiser_passes(backend, monkeypatch)
+    ask = dict(model="m", messages=MESSAGES, max_tokens=2 * CANVAS, seed=21)
+    plain = sdk.chat.completions.create(**ask)
+    plain_passes = len(calls)
+    assert plain_passes >= STEPS  # the random model is never confident early: 3 a block
+    # The file's own value, asked for: the same reply from the same passes.
+    same = sdk.chat.completions.create(**ask, extra_body={"diffusion": {"max_steps": STEPS}})
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    assert len(calls) == 2 * plain_passes
+    # One step a block: one pass per block, and a different reply.
+    calls.clear()
+    one = sdk.chat.completions.create(**ask, extra_body={"diffusion": {"max_steps": 1}})
+    blocks = math.ceil(one.usage.completion_tokens / CANVAS)
+    assert len(calls) == blocks < plain_passes
+    # Temperatures: a hot schedule draws other tokens from the same seed (the second
+    # step's canvas holds the first step's draws; one step's block is its argmax alone).
+    two = sdk.chat.completions.create(**ask, extra_body={"diffusion": {"max_steps": 2}})
+    hot = sdk.chat.completions.create(
+        **ask, extra_body={"diffusion": {"t_min": 50.0, "t_max": 50.0, "max_steps": 2}})
+    assert hot.choices[0].message.content != two.choices[0].message.content
+    # Overrides last one request: the next plain one is the first reply again.
+    again = sdk.chat.completions.create(**ask)
+    assert again.choices[0].message.content == plain.choices[0].message.content
+    # The same object in the other dialects.
+    calls.clear()
+    resp = sdk.responses.create(model="m", input="Say something.", max_output_tokens=CANVAS,
+                                extra_body={"diffusion": {"max_steps": 1}})
+    assert resp.usage.output_tokens > 0 and len(calls) == 1
+    calls.clear()
+    r = client.post("/v1/messages", json={
+        "model": "m", "max_tokens": CANVAS, "messages": [{"role": "user", "content": "Hi"}],
+        "diffusion": {"max_steps": 1}})
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("diffusion", "param"), [
+    ({"max_steps": 0}, "diffusion.max_steps"),
+    ({"max_steps": 1.5}, "diffusion.max_steps"),
+    ({"max_steps": 10_000}, "diffusion.max_steps"),
+    ({"t_min": 0}, "diffusion.t_min"),
+    ({"entropy_bound": -1}, "diffusion.entropy_bound"),
+    ({"stability_threshold": True}, "diffusion.stability_threshold"),
+    ({"confidence_threshold": "high"}, "diffusion.confidence_threshold"),
+    ({"steps": 4}, "diffusion.steps"),
+    ([1, 2], "diffusion"),
+])
+def test_a_bad_diffusion_object_is_a_400_naming_the_field(
+    served: Any, diffusion: Any, param: str
+) -> None:
+    client, _, _ = served
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "diffusion": diffusion})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/messages", json={
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+        "diffusion": diffusion})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and param in body["error"]["message"], body
