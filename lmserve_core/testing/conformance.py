@@ -22,6 +22,12 @@ a second request resuming from the first's cache equal to a cold one, concurrent
 with ``n`` choices and logprobs equal to each alone, and a conversation restored from the
 disk tier by a new server equal to a cold one.
 
+The checks come in three parts, :class:`NumericsConformance` (against transformers),
+:class:`CacheConformance` (our own paths against each other: no reference model needed) and
+:class:`ServedConformance` (real servers), and :class:`FamilyConformance` is all three. A
+family whose model does not fit one part (a block-diffusion model is not decoded token by
+token) subclasses the parts that apply and says why in its test module.
+
 torch, transformers and pytest are imported by the tests that use them.
 """
 
@@ -41,7 +47,15 @@ from lmserve_core.testing.numerics import (
     stepped_logits,
 )
 
-__all__ = ["FamilyConformance", "Subject", "check_routing", "synthetic_subjects"]
+__all__ = [
+    "CacheConformance",
+    "FamilyConformance",
+    "NumericsConformance",
+    "ServedConformance",
+    "Subject",
+    "check_routing",
+    "synthetic_subjects",
+]
 
 
 @dataclass
@@ -161,8 +175,8 @@ def check_routing(
     return routing
 
 
-class FamilyConformance:
-    """The checks every family passes; see the module's docstring."""
+class _Settings:
+    """The bounds and prompts every part of the suite shares (a family overrides them)."""
 
     # max |ours - reference| of the logits, per KV cache type: a family sets its own bounds
     # (measured, with a margin) when its logits spread wider than the synthetic defaults
@@ -178,8 +192,12 @@ class FamilyConformance:
         "The history of the bicycle begins in the early nineteenth century, when inventors",
     )
     GREEDY_TOKENS: ClassVar[int] = 24
+    # the batch (chunk) of the resumed-cache check: small, so a prompt is read in chunks
+    RESUME_BATCH: ClassVar[int] = 16
 
-    # ------------------------------------------------------------------ numerics
+
+class NumericsConformance(_Settings):
+    """Logits, tensor types and greedy continuations against transformers."""
 
     def test_logits_match_transformers(self, subject: Subject) -> None:
         for kv in ("f32", "f16"):
@@ -221,7 +239,10 @@ class FamilyConformance:
                 print(f"{kv}: diverges at {k} ({got[k]} against {want[k]}), gap {gap:.3g}")
                 assert gap <= 2 * self.LOGIT_ATOL[kv], (kv, prompt)
 
-    # ------------------------------------------------------------------ cache paths
+
+
+class CacheConformance(_Settings):
+    """Prefill, batches, resumed and restored caches against a cold pass of our own."""
 
     def test_prefill_equals_token_by_token_decode(self, subject: Subject) -> None:
         # f32 KV: a prompt's pass attends over the rows it computed, decode over stored ones
@@ -236,7 +257,7 @@ class FamilyConformance:
     def test_resumed_cache_equals_cold(self, subject: Subject) -> None:
         # a prompt read in several chunks; its cache cut back to what it can reuse of a
         # shorter common prefix; the rest read again, also into a copy of that prefix
-        model = subject.model("f32", n_batch=16)
+        model = subject.model("f32", n_batch=self.RESUME_BATCH)
         ids = subject.ids(self.PROMPTS[0] + self.PROMPTS[1])
         n = len(ids)
         cold = model.forward(model.new_cache(n), ids, 0, all_logits=True)
@@ -269,7 +290,10 @@ class FamilyConformance:
         np.testing.assert_array_equal(warm, model.forward(cache, ids[:4], n, all_logits=True))
         assert np.abs(warm - cold).max() <= self.PATH_ATOL
 
-    # ------------------------------------------------------------------ served
+
+
+class ServedConformance(_Settings):
+    """Real servers: speculative decoding, reuse, batched choices, the disk tier."""
 
     def test_speculative_and_reused_replies_equal_plain(self, subject: Subject) -> None:
         if subject.create_backend is None:
@@ -402,3 +426,7 @@ class FamilyConformance:
         assert r.status_code == 200, r.text
         data: dict[str, Any] = r.json()
         return data
+
+
+class FamilyConformance(NumericsConformance, CacheConformance, ServedConformance):
+    """The checks every family passes; see the module's docstring."""
