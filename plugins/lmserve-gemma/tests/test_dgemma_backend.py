@@ -106,9 +106,26 @@ def test_grammars_and_tools_are_refused_naming_the_field(served: Any) -> None:
         "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
     assert r.status_code == 400 and "tools" in r.text, r.text
+    r = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": MESSAGES, "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = client.post("/v1/responses", json={
+        "model": "m", "input": "Hi", "text": {"format": {"type": "json_object"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
     r = client.post("/v1/chat/completions",
                     json={"model": "m", "messages": MESSAGES, "logprobs": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "logit_bias": {"5": 10}})
+    assert r.status_code == 501 and r.json()["error"]["param"] == "logit_bias", r.text
+    # tool_choice none hides the tools: a plain reply
+    r = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": MESSAGES, "tools": [tool], "tool_choice": "none",
+        "max_tokens": 4, "diffusion": {"max_steps": 1}})
+    assert r.status_code == 200, r.text
+    # what the server says of itself
+    meta = client.get("/v1/models").json()["data"][0]["meta"]["capabilities"]
+    assert meta == {"reasoning": True, "tools": "none", "grammar": False}, meta
 
 
 def test_stop_strings_apply_to_committed_text(served: Any) -> None:
