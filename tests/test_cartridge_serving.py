@@ -177,3 +177,35 @@ def test_families_of_plain_rows_serve(module: str, cls: str) -> None:
     model.cache_layers = [(2, 64, 64, 0, 16)]  # a recurrent layer: never
     with pytest.raises(CartridgeError, match="layer 0 is recurrent"):
         cartridge_geometry(model)
+
+
+def test_caches_behind_other_prefixes_share_one_model() -> None:
+    """The seams a fleet composes with: several cartridges as one prefix, and a cache that
+    changes the prefix it stands behind; positions count from each cache's own prefix."""
+    model, tok, gguf = _load("smollm2")
+    try:
+        a = prefill_cartridge(model, tok, "Edda keeps the lighthouse on Varnholm.", 6)
+        b = prefill_cartridge(model, tok, "The supply boat is called Marigold.", 5)
+        both = PrefixRows.composed([a, b])
+        assert both.p == 11
+        np.testing.assert_array_equal(both.k[3][6:], b.k[3].reshape(5, -1))
+        served = prefixed(model, a)
+        ids = tok.encode(" Who is it?", add_special=False)
+        want = served.forward(served.new_cache(32, prefix=both), ids, 0)
+        cache = served.new_cache(32)
+        first = served.forward(cache, ids, 0)
+        cache.stand_behind(both)
+        assert cache.n_ctx == 32 + 6 - 11
+        np.testing.assert_array_equal(served.forward(cache, ids, 0), want)
+        assert not np.array_equal(first, want)
+        other = served.new_cache(32)
+        served.copy_rows(cache, other, len(ids))  # the copy stands behind the donor's prefix
+        assert other.prefix is both
+        np.testing.assert_array_equal(
+            served.forward(other, ids[-1:], len(ids) - 1), served.forward(cache, ids[-1:], len(ids) - 1)
+        )
+        with pytest.raises(CartridgeError, match="do not compose"):
+            PrefixRows.composed([a, Cartridge(k=[x[:, :1] for x in b.k], v=[x[:, :1] for x in b.v])])
+    finally:
+        model.close()
+        gguf.close()
