@@ -209,3 +209,37 @@ def test_caches_behind_other_prefixes_share_one_model() -> None:
     finally:
         model.close()
         gguf.close()
+
+
+def test_slots_lend_prefixes_only_behind_the_same_rows() -> None:
+    """SlotPool.adopt(prompt, behind=prefix): the slot pool of a server whose conversations
+    stand behind different prefixes (a fleet) reuses a slot only behind the same one."""
+    from lmserve_core.kv_slots import SlotPool
+
+    model, tok, gguf = _load("smollm2")
+    try:
+        a = PrefixRows(prefill_cartridge(model, tok, "Edda keeps the lighthouse on Varnholm.", 6))
+        b = PrefixRows(prefill_cartridge(model, tok, "The supply boat is called Marigold.", 5))
+        served = PrefixedModel(model, a)
+        pool = SlotPool(2, lambda: served.new_cache(64), served.copy_rows)
+        first = tok.encode("Who keeps the light there?", add_special=False)
+        slot, n = pool.adopt(first, behind=a)
+        assert n == 0 and slot.cache.prefix is a
+        served.forward(slot.cache, first, 0)
+        slot.tokens.extend(first)
+        longer = [*first, *tok.encode(" And the boat?", add_special=False)]
+        other, n = pool.adopt(longer, behind=b)  # the same tokens behind other rows: no reuse
+        assert n == 0 and other is not slot and other.cache.prefix is b
+        np.testing.assert_array_equal(
+            served.forward(other.cache, longer, 0),
+            served.forward(served.new_cache(64, prefix=b), longer, 0),
+        )
+        other.tokens.extend(longer)
+        again, n = pool.adopt(longer, behind=a)  # behind a: the first slot continues
+        assert again is slot and n == len(first)
+        # a slot taken from another prefix stands behind the new one, from the start
+        third, n = pool.adopt(tok.encode("Unrelated words here.", add_special=False), behind=a)
+        assert n == 0 and third is other and third.cache.prefix is a and not third.tokens
+    finally:
+        model.close()
+        gguf.close()
