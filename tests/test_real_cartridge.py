@@ -35,6 +35,10 @@ DOCUMENT = (
 )
 QUESTION = "Who keeps the lighthouse on Varnholm island, and what is her cat called?"
 OTHER = "What does the supply boat bring?"
+REPEAT = (
+    "Repeat this sentence exactly, twice: The supply boat Marigold brings coffee, lamp oil "
+    "and letters every second Tuesday."
+)
 P = 40
 MAX_TOKENS = 12
 
@@ -71,11 +75,13 @@ def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-def chat(server: RunningServer, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+def chat(
+    server: RunningServer, messages: list[dict[str, str]], max_tokens: int = MAX_TOKENS
+) -> tuple[str, int, int]:
     """The greedy reply, its prompt_tokens and cached_tokens."""
     with client(server) as c:
         r = c.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
-                                      temperature=0, max_tokens=MAX_TOKENS)
+                                      temperature=0, max_tokens=max_tokens)
     details = r.usage.prompt_tokens_details if r.usage else None
     assert r.usage is not None
     return r.choices[0].message.content or "", r.usage.prompt_tokens, (
@@ -83,9 +89,11 @@ def chat(server: RunningServer, messages: list[dict[str, str]]) -> tuple[str, in
     )
 
 
-def complete(server: RunningServer, prompt: str) -> tuple[str, int, int]:
+def complete(
+    server: RunningServer, prompt: str, max_tokens: int = MAX_TOKENS
+) -> tuple[str, int, int]:
     with client(server) as c:
-        r = c.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+        r = c.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=max_tokens)
     assert r.usage is not None
     details = r.usage.prompt_tokens_details
     return r.choices[0].text, r.usage.prompt_tokens, (
@@ -129,7 +137,7 @@ class Rig:
                 fallback = gemma3_conventions().fallback_template
             self.template = ChatTemplate.from_gguf(gguf, self.tokenizer, fallback=fallback)
         self.served = serve(self.model, tmp / "served", "--cartridge", str(self.cartridge),
-                            "--batch", "2", "--kv-slots", "3", "--spec")
+                            "--batch", "2", "--kv-slots", "3", "--spec", "--log-format", "json")
         self.control = serve(self.model, tmp / "control", "--batch", "1")
 
     def chat_text(self, messages: list[dict[str, str]]) -> str:
@@ -169,6 +177,18 @@ def test_a_prefill_cartridge_equals_the_document_in_the_prompt(rig: Rig) -> None
     assert reply.strip()
 
 
+def test_drafts_are_verified_behind_the_prefix(rig: Rig) -> None:
+    """--spec (prompt lookup) drafts a reply that repeats the question; verified behind the
+    prefix, the reply is the control's."""
+    messages = [{"role": "user", "content": REPEAT}]
+    before = len(kv_events(rig.served, "speculation"))
+    reply, _, _ = chat(rig.served, messages, max_tokens=32)
+    want, _, _ = complete(rig.control, rig.control_prompt(rig.chat_text(messages)), max_tokens=32)
+    assert reply == want
+    drafted = kv_events(rig.served, "speculation")[before:]
+    assert drafted and drafted[-1]["proposed"] > 0
+
+
 def test_a_second_turn_reuses_the_slot_past_the_prefix(rig: Rig) -> None:
     first = [{"role": "user", "content": QUESTION}]
     reply, first_tokens, _ = chat(rig.served, first)
@@ -194,9 +214,133 @@ def test_two_conversations_batched_equal_each_alone(rig: Rig) -> None:
         barrier.wait()
         together[i] = chat(rig.served, questions[i])[0]
 
+    seen = len(kv_events(rig.served, "request"))
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert together == alone
+    # both were read before either ended: they ran in one batch
+    lines = [json.loads(line) for line in rig.served.log_text().splitlines()
+             if line.startswith("{")]
+    order = [e["event"] for e in lines if e.get("event") in ("kv_reuse", "request")]
+    tail = order[2 * seen :]  # each request so far: kv_reuse, then request
+    assert tail == ["kv_reuse", "kv_reuse", "request", "request"], order
+
+
+# ---------------------------------------------------------------------- the disk tier
+
+
+def kv_events(server: RunningServer, name: str) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == name]
+
+
+def test_the_disk_tier_keeps_a_cartridge_conversation_across_a_restart(tmp_path: Path) -> None:
+    model = model_path("smollm2")
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text(DOCUMENT)
+    cart, other = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    assert build(model, corpus, cart).returncode == 0
+    assert build(model, corpus, other, p=P - 8).returncode == 0
+    cache = tmp_path / "kv"
+    first = [{"role": "user", "content": QUESTION}]
+
+    def server(name: str, *extra: str) -> RunningServer:
+        return serve(model, tmp_path / name, "--batch", "1", "--kv-cache-dir", str(cache),
+                     "--log-format", "json", *extra)
+
+    before = server("before", "--cartridge", str(cart))
+    try:
+        reply, _, _ = chat(before, first)
+        second = [*first, {"role": "assistant", "content": reply},
+                  {"role": "user", "content": OTHER}]
+        want = chat(before, second)  # never evicted: the control
+    finally:
+        assert before.stop() == 0  # a graceful stop keeps the slot in a file
+    files = list(cache.glob("*.lmkv"))
+    assert len(files) == 1
+    header = json.loads(files[0].read_bytes()[12 : 12 + int.from_bytes(files[0].read_bytes()[8:12], "little")])
+    assert header["prefix"]["rows"] == P and header["n_tokens"] > want[1]
+
+    after = server("after", "--cartridge", str(cart))
+    try:
+        again = chat(after, second)
+        reuse = kv_events(after, "kv_reuse")
+    finally:
+        after.stop()
+    assert reuse[-1]["tier"] == "disk"
+    assert again[0] == want[0] and again[1] == want[1]
+    assert again[2] == want[1] - 1  # all of the prompt but the token whose logits it needs
+
+    # another cartridge, or none: the file is not theirs (and stays for the one it is)
+    for name, extra in (("other", ["--cartridge", str(other)]), ("none", [])):
+        s = server(name, *extra)
+        try:
+            _, _, cached = chat(s, second)
+            skipped = kv_events(s, "kv_disk_skipped")
+        finally:
+            s.stop()
+        assert cached == 0
+        assert any(f"kept under a cartridge of {P} rows" in e["reason"] for e in skipped), skipped
+    assert files[0].exists()
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+def run_lmserve(*args: str) -> subprocess.CompletedProcess[str]:
+    env_path = str(Path(__file__).parent)
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([env_path, *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-m", "lmserve_core", *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_start_up_refuses_a_cartridge_that_does_not_fit(tmp_path: Path) -> None:
+    import numpy as np
+
+    from lmserve_core.cartridge import Cartridge, write_cartridge
+
+    model = str(model_path("smollm2"))
+    rng = np.random.default_rng(0)
+    shapes = [(6, 3, 64)] * 7 + [(6, 4, 64)] + [(6, 3, 64)] * 22
+    bad = tmp_path / "bad.safetensors"
+    write_cartridge(bad, Cartridge(k=[rng.standard_normal(s).astype(np.float32) for s in shapes],
+                                   v=[rng.standard_normal(s).astype(np.float32) for s in shapes]))
+    done = run_lmserve(model, "--cartridge", str(bad))
+    assert done.returncode == 2
+    assert "--cartridge: " in done.stderr + done.stdout
+    assert "layers.7.k has shape [5, 4, 64]" in done.stderr + done.stdout
+    assert "needs [5, 3, 64]" in done.stderr + done.stdout
+
+    few = tmp_path / "few.safetensors"
+    write_cartridge(few, Cartridge(k=[rng.standard_normal((6, 3, 64)).astype(np.float32)] * 18,
+                                   v=[rng.standard_normal((6, 3, 64)).astype(np.float32)] * 18))
+    done = run_lmserve(model, "--cartridge", str(few))
+    assert done.returncode == 2 and "18 layers" in done.stderr + done.stdout
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not a cartridge")
+    done = run_lmserve(model, "--cartridge", str(text))
+    assert done.returncode == 2 and "not a safetensors file" in done.stderr + done.stdout
+    done = run_lmserve(model, "--cartridge", str(tmp_path / "absent.safetensors"))
+    assert done.returncode == 2 and "cartridge file not found" in done.stderr + done.stdout
+    done = run_lmserve("--plugin", "fake_backend", "--backend", "scripted",
+                       "--cartridge", str(few))
+    assert done.returncode == 2
+    assert "the scripted backend does not serve cartridges" in done.stderr + done.stdout
+
+
+def test_build_refuses_what_it_cannot_make(tmp_path: Path) -> None:
+    model = model_path("smollm2")
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text("Only a few words.")
+    done = build(model, corpus, tmp_path / "c.safetensors", p=64)
+    assert done.returncode == 2 and "fewer than p = 64" in done.stderr
+    assert not (tmp_path / "c.safetensors").exists()
+    done = build(model, corpus, tmp_path / "c.safetensors", p=1)
+    assert done.returncode == 2 and "--p must be at least 2" in done.stderr

@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="the GGUF model (default: the model an installed plugin ships)"
     )
     b.add_argument("--backend", help="backend name (default: chosen by the GGUF's architecture)")
+    b.add_argument(
+        "--kv-type", choices=["f16", "f32"], default="f16",
+        help="the KV cache the rows are computed in: the --kv-type of the servers that will "
+        "serve the cartridge makes them equal to the document in the prompt (default f16)",
+    )
     b.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
     b.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     from .fleet import add_fleet_parser
@@ -55,15 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_backend(args: argparse.Namespace, ctx: int) -> Any:
-    """The chat backend of ``--model`` (as ``lmserve`` would serve it), with an f32 cache of
-    ``ctx`` positions and one slot: its ``model``, ``tokenizer`` and ``gguf``."""
+    """The chat backend of ``--model`` (as ``lmserve`` would serve it), with a cache of
+    ``ctx`` positions (``--kv-type``) and one slot: its ``model``, ``tokenizer`` and
+    ``gguf``."""
     from .. import cli
     from ..backend import ServerSettings
 
     pick = argparse.Namespace(model=args.model, backend=args.backend, plugin=args.plugin)
     spec, model = cli._pick_backend(pick)
     settings = ServerSettings(ctx=max(ctx, 16), threads=args.threads, kv_slots=1,
-                              kv_type="f32", batch=1)
+                              kv_type=getattr(args, "kv_type", "f16"), batch=1)
     backend = spec.factory(model, settings)
     if getattr(backend, "model", None) is None or getattr(backend, "tokenizer", None) is None:
         backend.close()
@@ -91,6 +97,7 @@ def build_command(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         meta = model_metadata(backend.gguf)
         meta["corpus"] = Path(args.corpus).name
+        meta["kv_type"] = args.kv_type
         cartridge = prefill_cartridge(backend.model, backend.tokenizer, text, args.p, meta)
         write_cartridge(args.out, cartridge)
     finally:
@@ -98,7 +105,7 @@ def build_command(args: argparse.Namespace) -> int:
     took = time.perf_counter() - started
     print(
         f"wrote {args.out}: p = {cartridge.p} rows x {cartridge.n_layer} layers, "
-        f"{cartridge.nbytes / 2**20:.1f} MiB, init prefill, {took:.1f} s"
+        f"{cartridge.nbytes / 2**20:.1f} MiB, init prefill ({args.kv_type} rows), {took:.1f} s"
     )
     return 0
 

@@ -119,57 +119,49 @@ def write_cartridge(path: str | os.PathLike[str], cartridge: Cartridge) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _as_f32(f, name: str) -> np.ndarray:  # type: ignore[no-untyped-def]
-    """One tensor as float32; bfloat16 (which numpy lacks) is widened by hand."""
-    sl = f.get_slice(name)
-    dtype = sl.get_dtype()
+def _as_f32(f: _Opened, name: str) -> np.ndarray:
+    """One tensor as float32; bfloat16 (which numpy lacks) is widened from its bytes."""
+    dtype = f.dtype(name)
     if dtype not in _FLOAT_DTYPES:
         raise CartridgeError(f"{name}: dtype {dtype} (a cartridge holds F32, F16 or BF16)")
     if dtype == "BF16":
-        shape = sl.get_shape()
-        raw = np.frombuffer(_raw_bytes(f, name), dtype=np.uint16).reshape(shape)
+        data, shape = f.raw(name)
+        raw = np.frombuffer(data, dtype="<u2").reshape(shape)
         return (raw.astype(np.uint32) << 16).view(np.float32)
     return np.asarray(f.get_tensor(name), dtype=np.float32)
 
 
-def _raw_bytes(f, name: str) -> bytes:  # type: ignore[no-untyped-def]
-    # safetensors' numpy framework cannot hand out bfloat16; read the bytes from the file
-    off = f.offsets[name]
-    with open(f.path, "rb") as fh:
-        fh.seek(f.data_start + off[0])
-        return fh.read(off[1] - off[0])
-
-
 class _Opened:
-    """The safetensors header of ``path``, read with the library's own parser for names,
-    shapes and dtypes, plus the byte offsets (for bfloat16) from the JSON header."""
+    """A safetensors file through the library: names, dtypes, metadata and numpy tensors
+    (``safe_open``), and for bfloat16 the raw bytes (``deserialize``)."""
 
     def __init__(self, path: Path) -> None:
-        import json
-        import struct
-
         from safetensors import safe_open
 
         self.path = path
+        self._raw: dict[str, tuple[bytes, list[int]]] | None = None
         try:
             self._f = safe_open(str(path), framework="numpy")
-            with open(path, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
         except Exception as e:  # the library raises its own error types for bad files
             raise CartridgeError(f"{path}: not a safetensors file ({e})") from e
-        self.data_start = 8 + n
-        self.offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
         self.metadata: dict[str, str] = dict(self._f.metadata() or {})
 
     def names(self) -> list[str]:
         return list(self._f.keys())
 
-    def get_slice(self, name: str):  # type: ignore[no-untyped-def]
-        return self._f.get_slice(name)
+    def dtype(self, name: str) -> str:
+        return str(self._f.get_slice(name).get_dtype())
 
     def get_tensor(self, name: str) -> np.ndarray:
-        return self._f.get_tensor(name)
+        return self._f.get_tensor(name)  # type: ignore[no-any-return]
+
+    def raw(self, name: str) -> tuple[bytes, list[int]]:
+        if self._raw is None:
+            from safetensors import deserialize
+
+            found = deserialize(self.path.read_bytes())
+            self._raw = {n: (bytes(t["data"]), list(t["shape"])) for n, t in found}
+        return self._raw[name]
 
 
 def read_cartridge(path: str | os.PathLike[str]) -> Cartridge:

@@ -14,16 +14,21 @@ from .file import Cartridge, CartridgeError
 from .serve import cartridge_geometry
 
 
-def capture_rows(model: Any, tokens: Sequence[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Run ``tokens`` at positions 0.. on a fresh f32 cache of ``model`` (a kit model) and
-    read every layer's rows back as ``[p, n_kv_heads, head_dim]`` float32: keys after the
-    k-norm and RoPE, exactly as a prompt leaves them. A sliding-window layer keeps only its
-    last rows; the ones it dropped (no later position sees them) are zeros."""
+def capture_rows(
+    model: Any, tokens: Sequence[int], kv_type: str | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Run ``tokens`` at positions 0.. on a fresh cache of ``model`` (a kit model; its KV
+    type unless ``kv_type``) and read every layer's rows back as ``[p, n_kv_heads,
+    head_dim]`` float32: keys after the k-norm and RoPE, exactly as a prompt leaves them. The
+    KV type matters: later layers read the earlier rows as the cache stores them, so rows
+    read from an f16 cache are the ones a server with an f16 cache computes. A
+    sliding-window layer keeps only its last rows; the ones it dropped (no later position
+    sees them) are zeros."""
     heads, dims = cartridge_geometry(model)
     p = len(tokens)
     if p < 1:
         raise CartridgeError("a cartridge needs at least one token")
-    cache = model.new_cache(p, "f32")
+    cache = model.new_cache(p, kv_type)
     try:
         model.forward(cache, list(tokens), 0)
         native = cache.native

@@ -25,7 +25,11 @@ from .file import Cartridge, CartridgeError, check_geometry
 
 
 class PrefixRows:
-    """The rows a prefix writes into every cache: per layer, K and V ``(p, kv_dim)`` f32."""
+    """The rows a prefix writes into every cache: per layer, K and V ``(p, kv_dim)`` f32.
+
+    Several cartridges compose by concatenation (:meth:`composed`): each keeps the rows it
+    was made with (keys rotated at its own positions 0..p_i-1), one after the other, as the
+    reference design composes a fleet's documents."""
 
     def __init__(self, cartridge: Cartridge, source: str = "cartridge") -> None:
         self.cartridge = cartridge
@@ -38,6 +42,23 @@ class PrefixRows:
             h.update(k.tobytes())
             h.update(v.tobytes())
         self.digest = h.hexdigest()
+
+    @classmethod
+    def composed(cls, cartridges: Sequence[Cartridge], source: str = "composed") -> PrefixRows:
+        """One prefix of ``cartridges`` in order (the same geometry each)."""
+        if not cartridges:
+            raise CartridgeError("nothing to compose")
+        first = cartridges[0]
+        for c in cartridges[1:]:
+            if c.n_kv_heads != first.n_kv_heads or c.head_dim != first.head_dim:
+                raise CartridgeError("cartridges of different geometry do not compose")
+        joined = Cartridge(
+            k=[np.concatenate([c.k[i] for c in cartridges]) for i in range(first.n_layer)],
+            v=[np.concatenate([c.v[i] for c in cartridges]) for i in range(first.n_layer)],
+            metadata={"composed": str(len(cartridges))},
+            frozen_prefix=first.frozen_prefix,
+        )
+        return cls(joined, source)
 
     def record(self) -> dict[str, Any]:
         """What the disk tier's files say about the prefix under their rows (a file is
@@ -60,10 +81,13 @@ class PrefixedCache:
 
     def __init__(self, inner: Any, prefix: PrefixRows) -> None:
         self.inner = inner
-        self.prefix = prefix
-        self.n_ctx = int(inner.n_ctx) - prefix.p
         self._rings = any(inner.native.rings)
+        self._behind(prefix)
         prefix.write(inner.native)
+
+    def _behind(self, prefix: PrefixRows) -> None:
+        self.prefix = prefix
+        self.n_ctx = int(self.inner.n_ctx) - prefix.p  # positions after the prefix
 
     @property
     def kind(self) -> CacheKind:
@@ -90,15 +114,31 @@ class PrefixedCache:
 
     def restore(self, n: int, state: Any) -> None:
         """Load what :meth:`snapshot` saved: the prefix comes from the state too."""
-        self.inner.restore(n + self.prefix.p, state)
+        try:
+            self.inner.restore(n + self.prefix.p, state)
+        except BaseException:
+            self.prefix.write(self.inner.native)  # whatever a refused state left there
+            raise
+
+    def stand_behind(self, prefix: PrefixRows) -> None:
+        """Put ``prefix`` under this cache instead (a fleet's per-conversation choice): its
+        rows written, and every position after it forgotten (the caller's slot holds
+        none)."""
+        if prefix.p >= int(self.inner.n_ctx):
+            raise CartridgeError(f"a prefix of {prefix.p} rows does not fit {self.inner.n_ctx}")
+        self.inner.truncate(0)
+        self._behind(prefix)
+        prefix.write(self.inner.native)
 
     def close(self) -> None:
         self.inner.close()
 
 
 class PrefixedModel:
-    """A ``ForwardModel`` whose caches start with ``prefix``; everything else is the wrapped
-    model's (its attributes read through)."""
+    """A ``ForwardModel`` whose caches start with a prefix (``prefix`` unless
+    :meth:`new_cache` is given another); everything else is the wrapped model's (its
+    attributes read through). Positions are counted from each cache's own prefix, so caches
+    behind different prefixes share one model."""
 
     def __init__(self, model: Any, prefix: PrefixRows) -> None:
         self.model = model
@@ -110,37 +150,45 @@ class PrefixedModel:
     def kv_bytes(self, n_ctx: int) -> int:
         return int(self.model.kv_bytes(n_ctx + self.prefix.p))
 
-    def new_cache(self, n_ctx: int, kv_type: str | None = None) -> PrefixedCache:
+    def new_cache(
+        self, n_ctx: int, kv_type: str | None = None, *, prefix: PrefixRows | None = None
+    ) -> Any:
         """A cache of ``n_ctx`` positions after the prefix (``p + n_ctx`` rows)."""
-        return PrefixedCache(self.model.new_cache(n_ctx + self.prefix.p, kv_type), self.prefix)
+        prefix = prefix or self.prefix
+        return PrefixedCache(self.model.new_cache(n_ctx + prefix.p, kv_type), prefix)
 
     def forward(
         self, cache: Any, tokens: Sequence[int], pos: int, *, all_logits: bool = False
     ) -> np.ndarray:
-        return self.model.forward(  # type: ignore[no-any-return]
-            _inner(cache), tokens, pos + self.prefix.p, all_logits=all_logits
-        )
+        inner, p = _inner(cache)
+        return self.model.forward(inner, tokens, pos + p, all_logits=all_logits)  # type: ignore[no-any-return]
 
     def forward_batch(self, rows: Sequence[tuple[Any, Sequence[int], int]]) -> list[np.ndarray]:
-        p = self.prefix.p
-        return self.model.forward_batch(  # type: ignore[no-any-return]
-            [(_inner(cache), tokens, pos + p) for cache, tokens, pos in rows]
-        )
+        moved = []
+        for cache, tokens, pos in rows:
+            inner, p = _inner(cache)
+            moved.append((inner, tokens, pos + p))
+        return self.model.forward_batch(moved)  # type: ignore[no-any-return]
 
     def forward_traced(self, cache: Any, tokens: Sequence[int], pos: int) -> Any:
-        return self.model.forward_traced(_inner(cache), tokens, pos + self.prefix.p)
+        inner, p = _inner(cache)
+        return self.model.forward_traced(inner, tokens, pos + p)
 
     def forward_bidirectional(self, cache: Any, tokens: Sequence[int], pos: int) -> np.ndarray:
         raise ValueError("a prefixed model has no bidirectional pass")
 
     def copy_rows(self, src: Any, dst: Any, n: int) -> None:
-        self.model.copy_rows(_inner(src), _inner(dst), n + self.prefix.p)
+        """Positions ``[0, n)`` and the prefix under them (``dst`` then stands behind
+        ``src``'s prefix)."""
+        inner, p = _inner(src)
+        self.model.copy_rows(inner, _inner(dst)[0], n + p)
+        dst._behind(src.prefix)
 
 
-def _inner(cache: Any) -> Any:
+def _inner(cache: Any) -> tuple[Any, int]:
     if not isinstance(cache, PrefixedCache):
-        raise ValueError("the cache was not made by this prefixed model")
-    return cache.inner
+        raise ValueError("the cache was not made by a prefixed model")
+    return cache.inner, cache.prefix.p
 
 
 def cartridge_geometry(model: Any, *, what: str = "the model") -> tuple[list[int], list[int]]:
