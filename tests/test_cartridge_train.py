@@ -228,3 +228,17 @@ class _Vocab:
 def test_embed_tokens_adds_bos_and_suffix() -> None:
     ids = embed_tokens(_Vocab(), [7, 8])
     assert ids[:3] == [1, 7, 8] and ids[3:] == _Vocab().encode(EMBED_SUFFIX)
+
+
+def test_cli_takes_the_training_and_fleet_options() -> None:
+    from lmserve_core.cartridge.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["build", "doc.md", "out.safetensors", "--p", "64", "--train", "--steps", "7",
+         "--lr", "0.01", "--resume", "--eval", "q.json"]
+    )
+    cfg = T.config_from(args)
+    assert args.train and args.resume and args.eval == "q.json"
+    assert (cfg.p, cfg.steps, cfg.lr) == (64, 7, 0.01)
+    args = build_parser().parse_args(["fleet", "docs", "out", "--init", "prefill", "--p", "32"])
+    assert (args.command, args.init, args.p, args.embed_chunk) == ("fleet", "prefill", 32, 256)

@@ -334,6 +334,10 @@ def add_fleet_parser(sub: Any) -> None:
                    help=f"tokens per index chunk (default {EMBED_CHUNK})")
     f.add_argument("--model", help="the GGUF model (default: the model an installed plugin ships)")
     f.add_argument("--backend", help="backend name (default: chosen by the GGUF's architecture)")
+    f.add_argument(
+        "--kv-type", choices=["f16", "f32"], default="f16",
+        help="the KV cache prefill rows are computed in (the servers' --kv-type; default f16)",
+    )
     f.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
     f.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     add_train_arguments(f)
