@@ -242,3 +242,14 @@ def test_cli_takes_the_training_and_fleet_options() -> None:
     assert (cfg.p, cfg.steps, cfg.lr) == (64, 7, 0.01)
     args = build_parser().parse_args(["fleet", "docs", "out", "--init", "prefill", "--p", "32"])
     assert (args.command, args.init, args.p, args.embed_chunk) == ("fleet", "prefill", 32, 256)
+
+
+def test_a_cut_last_conversation_is_dropped(tmp_path) -> None:
+    c = T.Conversation([1, 2, 3], 2, [[3]], [[-0.1]])
+    path = tmp_path / "selfstudy.jsonl"
+    path.write_text(c.to_json() + "\n" + c.to_json()[:10])
+    assert T._read_pool(path) == [c]
+    assert path.read_text() == c.to_json() + "\n"
+    path.write_text("{not json\n" + c.to_json() + "\n")
+    with pytest.raises(ValueError, match="line 1"):
+        T._read_pool(path)

@@ -29,7 +29,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cartridge"
 @pytest.fixture(scope="module")
 def model() -> Iterator[T.Model]:
     import torch
-
     from models import smollm2_path
 
     threads = torch.get_num_threads()

@@ -677,9 +677,20 @@ class BuildResult:
 
 
 def _read_pool(path: Path) -> list[Conversation]:
+    """The self-study set written so far; a last line cut short by an interrupted run is
+    dropped (and the file rewritten without it)."""
     if not path.is_file():
         return []
-    return [Conversation.from_json(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    pool = []
+    for n, line in enumerate(lines):
+        try:
+            pool.append(Conversation.from_json(line))
+        except (json.JSONDecodeError, TypeError):
+            if n != len(lines) - 1:
+                raise ValueError(f"{path}: line {n + 1} is not a self-study conversation") from None
+            path.write_text("".join(c.to_json() + "\n" for c in pool))
+    return pool
 
 
 def build_trained(
