@@ -765,23 +765,53 @@ class NativeForwardModel:
         logits = np.empty(
             (ids.size, self.n_vocab) if all_logits else (self.n_vocab,), np.float32
         )
-        if pos == 0 and isinstance(cache, RecurrentCache):
+        self._run(cache, ids, pos, logits, all_logits)
+        return logits
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """The hidden state of the last of ``tokens`` after the final norm, run from position
+        0 on a scratch cache: float32 ``(n_embd,)``, the sequence's embedding as the model
+        itself reads it (a fleet's retrieval vectors)."""
+        self._require_open()
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("nothing to embed")
+        cache = self.new_cache(n)
+        try:
+            ids, _ = self._check_call(cache, tokens, 0)
+            hidden = np.empty(int(self._core.n_embd), np.float32)
+            self._run(cache, ids, 0, np.empty(self.n_vocab, np.float32), False, hidden)
+        finally:
+            cache.close()
+        return hidden
+
+    def _run(
+        self, cache: Any, ids: np.ndarray, pos: int, logits: np.ndarray, all_logits: bool,
+        hidden: np.ndarray | None = None,
+    ) -> None:
+        """The forward pass behind :meth:`forward`; ``hidden`` (``n_embd`` floats) gets the
+        final-normed state of the last row."""
+        recurrent = isinstance(cache, RecurrentCache)
+        if pos == 0 and recurrent:
             cache.truncate(0)  # a new sequence: its checkpoints are of another
-        if not isinstance(cache, RecurrentCache):
-            with self._lock:
-                self._require_open()
-                kernels.forward(self._core, cache.native, ids, pos, logits, all_logits)
-            return logits
-        # the pieces between the checkpoints planned inside the call
-        bounds = [pos, *cache.stops(pos, ids.size), pos + ids.size]
+        # a recurrent cache: the pieces between the checkpoints planned inside the call
+        inner = cache.stops(pos, ids.size) if recurrent else []
+        bounds = [pos, *inner, pos + ids.size]
+        out = None if hidden is None else kernels.ffi.from_buffer(hidden, require_writable=True)
         with self._lock:
             self._require_open()
-            for a, b in zip(bounds, bounds[1:], strict=False):
-                piece = logits[a - pos : b - pos] if all_logits else logits
-                kernels.forward(self._core, cache.native, ids[a - pos : b - pos], a, piece,
-                                all_logits)
-                cache.wrote(b)
-        return logits
+            if out is not None:
+                self._core.hidden = kernels.ffi.cast("float *", out)
+            try:
+                for a, b in zip(bounds, bounds[1:], strict=False):
+                    piece = logits[a - pos : b - pos] if all_logits else logits
+                    kernels.forward(self._core, cache.native, ids[a - pos : b - pos], a, piece,
+                                    all_logits)
+                    if recurrent:
+                        cache.wrote(b)
+            finally:
+                if out is not None:
+                    self._core.hidden = kernels.ffi.NULL
 
     def forward_bidirectional(self, cache: Any, tokens: Sequence[int], pos: int) -> np.ndarray:
         """Run ``tokens`` at ``pos..`` as one chunk whose rows see each other both ways (and
