@@ -25,7 +25,6 @@ log = structlog.get_logger("lmserve")
 # Flags of features that are not built yet: parsed so scripts keep working, refused
 # with a clear message instead of being silently ignored.
 _NOT_YET = {
-    "fleet": "--fleet (cartridge fleets)",
     "experts": "--experts (MoE expert borrowing)",
 }
 
@@ -206,7 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
         "from `lmserve cartridge build`; docs/cartridges.md): its rows come before the "
         "prompt's, count in no usage and take the cache p rows beyond --ctx",
     )
-    s.add_argument("--fleet", help="serve a cartridge fleet from DIR")
+    s.add_argument(
+        "--fleet",
+        metavar="DIR",
+        help="serve a cartridge fleet (a directory from `lmserve cartridge fleet`; "
+        "docs/cartridges.md): each conversation behind the cartridges of the documents its "
+        "user messages are about, picked once by the first turn; --rag-docs x p prefix rows "
+        "beyond --ctx",
+    )
+    s.add_argument("--rag-docs", type=int, metavar="K",
+                   help="documents per conversation with --fleet (default 1)")
+    s.add_argument("--rag-chunks", type=int, metavar="N",
+                   help="best index chunks scanned for those documents (default 8)")
+    s.add_argument(
+        "--rag-adaptive", action="store_true",
+        help="with --fleet, retrieve again on each follow-up turn and move the conversation "
+        "when another document is clearly better (by --rag-margin)",
+    )
+    s.add_argument("--rag-margin", type=float, metavar="M",
+                   help="how much better, in cosine, --rag-adaptive asks for (default 0.05)")
     s.add_argument("--experts", choices=["borrow"], help="MoE expert placement")
     o = p.add_argument_group("logging")
     o.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
@@ -243,6 +260,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         args.model, args.backend = args.nanochat, "nanochat"
     if args.spec_draft and not Path(args.spec_draft).is_file():
         raise UsageError(f"draft model file not found: {args.spec_draft}")
+    _check_fleet(args)
     if args.cartridge:
         # read before the model loads: a file that is no cartridge fails at once
         if not Path(args.cartridge).is_file():
@@ -254,6 +272,42 @@ def _check_ranges(args: argparse.Namespace) -> None:
     for name, what in _NOT_YET.items():
         if getattr(args, name):
             raise UsageError(f"{what} is not available in this version of lmserve")
+
+
+def _check_fleet(args: argparse.Namespace) -> None:
+    """Open ``--fleet`` (a directory that is no fleet fails before the model loads) and
+    check the options that go with it."""
+    rag = {"docs": args.rag_docs, "chunks": args.rag_chunks, "margin": args.rag_margin}
+    if not args.fleet:
+        given = [f"--rag-{k}" for k, v in rag.items() if v is not None]
+        if args.rag_adaptive:
+            given.append("--rag-adaptive")
+        if given:
+            raise UsageError(f"{', '.join(given)} go with --fleet")
+        return
+    if args.cartridge:
+        raise UsageError("--fleet and --cartridge exclude each other (a fleet picks the "
+                         "cartridges of each conversation)")
+    if args.kv_cache_dir:
+        raise UsageError("--fleet and --kv-cache-dir exclude each other (the disk tier's "
+                         "files do not record a conversation's documents)")
+    for name in ("docs", "chunks"):
+        if rag[name] is not None and rag[name] < 1:
+            raise UsageError(f"--rag-{name} must be at least 1 (got {rag[name]})")
+    if rag["margin"] is not None and not rag["margin"] >= 0:
+        raise UsageError(f"--rag-margin must be 0 or more (got {rag['margin']})")
+    from .cartridge.fleet import Fleet, FleetError
+
+    try:
+        args.fleet = Fleet.open(args.fleet)
+    except (FleetError, OSError, KeyError, ValueError) as exc:
+        raise UsageError(f"--fleet: {exc}") from exc
+    args.rag = {
+        "docs": args.rag_docs or 1,
+        "chunks": args.rag_chunks or 8,
+        "adaptive": args.rag_adaptive,
+        "margin": 0.05 if args.rag_margin is None else args.rag_margin,
+    }
 
 
 def _pick_backend(args: argparse.Namespace) -> tuple[BackendSpec, str | None]:
@@ -357,17 +411,22 @@ def serve(args: argparse.Namespace) -> int:
             "tokenizer": args.tokenizer,
             "load_type": args.load_type,
             "cartridge": args.cartridge,
+            "fleet": args.fleet or None,
+            "rag": getattr(args, "rag", {}),
         },
     )
     try:
         backend = spec.factory(model, settings)
     except CartridgeError as exc:
-        raise UsageError(f"--cartridge: {exc}") from exc
+        raise UsageError(f"{'--fleet' if args.fleet else '--cartridge'}: {exc}") from exc
     except (OSError, ValueError, LmserveError) as exc:  # e.g. a chat template that cannot load
         raise UsageError(f"cannot load {model}: {exc}") from exc
     if args.cartridge and getattr(backend, "prefix", None) is None:
         backend.close()
         raise UsageError(f"--cartridge: the {spec.name} backend does not serve cartridges")
+    if args.fleet and getattr(backend, "fleet", None) is None:
+        backend.close()
+        raise UsageError(f"--fleet: the {spec.name} backend does not serve cartridges")
     if args.batch > 1 and not callable(getattr(backend, "step", None)):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
     if (args.spec or args.spec_draft) and getattr(backend, "drafts", None) is None:

@@ -33,6 +33,7 @@ import structlog
 
 from . import memory
 from .backend import Capabilities, ServerSettings
+from .cartridge.route import FleetRouter
 from .cartridge.serve import PrefixRows, prefixed_model
 from .chat_template import ChatTemplate, ControlTextGuard, message_dicts, tool_dicts
 from .errors import InvalidRequest, LmserveError, Unsupported
@@ -185,6 +186,16 @@ class GGUFChatBackend:
 
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.tokenizer.longest_token  # noqa: B018 - the length bound of prompts, found now
+        # --fleet: each conversation behind the cartridges of its documents
+        self.fleet: FleetRouter | None = None
+        fleet = settings.extra.get("fleet")
+        if fleet is not None:
+            self.fleet = FleetRouter(fleet, model, self.tokenizer, what=self.model_id,
+                                     **settings.extra.get("rag", {}))
+            self.model = model = self.fleet.wrap(model)
+            log.info("fleet", path=str(fleet.path), documents=len(fleet.docs), p=fleet.p,
+                     rag_docs=self.fleet.k, prefix_rows=self.fleet.rows,
+                     adaptive=self.fleet.adaptive, model=self.model_id)
         self.template = ChatTemplate.from_gguf(
             gguf, self.tokenizer, fallback=conventions.fallback_template
         )
@@ -784,7 +795,8 @@ class GGUFChatBackend:
             return
         prompt = gen.prepared.tokens
         if gen.slot is None:
-            gen.slot, gen.usage.cached_tokens = self.slots.adopt(prompt)
+            behind = None if self.fleet is None else self._fleet_prefix(gen.request)
+            gen.slot, gen.usage.cached_tokens = self.slots.adopt(prompt, behind=behind)
             gen.slot.busy = True
             plan = getattr(gen.slot.cache, "plan", None)
             if plan is not None:  # a recurrent state: where to keep checkpoints of it
@@ -806,6 +818,16 @@ class GGUFChatBackend:
         if len(slot.tokens) == len(prompt):
             gen.logits = logits
             gen.prefilled = True
+
+    def _fleet_prefix(self, request: NormalizedRequest) -> PrefixRows:
+        """The prefix of the documents ``request``'s conversation is served behind."""
+        assert self.fleet is not None
+        chosen = self.fleet.select(request.messages, request.prompt)
+        log.info(
+            "fleet_selection", id=request.id, how=chosen.how,
+            docs=self.fleet.names(chosen.docs), scores=[round(s, 4) for s in chosen.scores],
+        )
+        return chosen.prefix
 
     def _write_rows(self, rows: list[tuple[Generation, list[int]]]) -> None:
         """Write each generation's new tokens and keep the logits of its last one: in one
