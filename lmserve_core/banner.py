@@ -36,12 +36,13 @@ def facts(
     """The fields of the ``serving`` event: the URL (``all_interfaces`` when the address
     binds every interface; ``local_url`` is where this machine reaches it), the model's id,
     file, backend, plugin and architecture, the context, the KV slots and the bytes they
-    take at full context, the cartridge (None without one), the chat page (None without one), the OpenAI and Anthropic base
+    take at full context, the cartridge and the fleet (None without one), the chat page (None without one), the OpenAI and Anthropic base
     URLs and the API's endpoints."""
     everywhere = host in _ALL_INTERFACES
     local = _url(_ALL_INTERFACES[host], port) if everywhere else _url(host, port)
     gguf = getattr(backend, "gguf", None)
     prefix = getattr(backend, "prefix", None)
+    fleet = getattr(backend, "fleet", None)
     return {
         "version": __version__,
         "url": _url(host, port),
@@ -61,6 +62,11 @@ def facts(
         "spec": getattr(getattr(backend, "drafts", None), "name", None),
         # --cartridge: the KV prefix every conversation starts behind
         "cartridge": None if prefix is None else {"path": prefix.source, "rows": prefix.p},
+        # --fleet: the documents conversations are served behind
+        "fleet": None if fleet is None else {
+            "path": str(fleet.fleet.path), "documents": len(fleet.fleet.docs),
+            "rag_docs": fleet.k, "rows": fleet.rows, "adaptive": fleet.adaptive,
+        },
         "auth": auth,
         "webui": chat_page,
         "chat_url": local + "/" if chat_page else None,
@@ -107,6 +113,10 @@ def render(f: dict[str, Any], *, colors: bool = False) -> str:
         rows.append(("KV cache", kv))
     if f.get("cartridge"):
         rows.append(("cartridge", f"{f['cartridge']['path']}  ({f['cartridge']['rows']} rows)"))
+    if f.get("fleet"):
+        fl = f["fleet"]
+        rows.append(("fleet", f"{fl['path']}  ({fl['documents']} documents, {fl['rag_docs']} a "
+                     f"conversation, {fl['rows']} rows{', adaptive' if fl['adaptive'] else ''})"))
     if f["chat_url"]:
         rows.append(("chat page", link(f["chat_url"])))
     endpoints = f["endpoints"]

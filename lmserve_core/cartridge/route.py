@@ -148,8 +148,8 @@ class FleetRouter:
             return self._retrieve(prompt, "retrieved")
         turns = [{"role": m.role, "content": m.content} for m in messages]
         users = [t for t in turns if t["role"] == "user"]
-        if not users:
-            return self._retrieve(query_text(turns) or " ", "retrieved")
+        if not users:  # retrieved by whatever the turns say
+            return self._retrieve("\n".join(str(t["content"]) for t in turns) or " ", "retrieved")
         key = hashlib.sha256(str(users[0]["content"]).encode()).hexdigest()
         known = self._conversations.get(key)
         text = query_text(turns)
