@@ -156,6 +156,43 @@ def test_adaptive_stays_on_small_talk_and_moves_on_a_new_subject(
     assert router.select([*start, Message("user", "ok")]).docs == moved.docs
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_embedding_is_what_the_logits_are_read_from(arch: str) -> None:
+    """On each kit family: the output matrix times the embedding gives the forward pass's
+    logits (the embedding is the last row after the final norm)."""
+    gguf = pytest.importorskip("gguf")
+    from models import gemma3_path, smollm2_path
+
+    from lmserve_core.backend import ServerSettings
+    from lmserve_core.plugins import backend_for_architecture
+
+    pytest.importorskip("lmserve_llama" if arch == "llama" else "lmserve_gemma")
+    path = smollm2_path() if arch == "llama" else gemma3_path()
+    spec = backend_for_architecture(arch)
+    assert spec is not None
+    b = spec.factory(str(path), ServerSettings(ctx=256, threads=2, kv_slots=1))
+    try:
+        ids = b.tokenizer.encode("The capital of France is", add_special=True)
+        hidden = b.model.embed(ids)
+        cache = b.model.new_cache(64)
+        logits = b.model.forward(cache, ids, 0)
+        cache.close()
+        with pytest.raises(ValueError):
+            b.model.embed([])
+        tensors = b.gguf.tensors
+        out = tensors.get("output.weight") or tensors["token_embd.weight"]
+        # the best tokens and a spread of others (the whole matrix is big to dequantise)
+        rows = np.unique(np.concatenate([np.argsort(-logits)[:16],
+                                         np.linspace(0, logits.size - 1, 512).astype(np.int64)]))
+        raw = np.array(out.data.reshape(out.shape[0], out.row_bytes)[rows])
+        kind = gguf.GGMLQuantizationType(out.ggml_type)
+    finally:
+        b.close()
+    mine = gguf.quants.dequantize(raw, kind).reshape(rows.size, -1) @ hidden
+    assert np.abs(mine - logits[rows]).max() < 1e-2
+    assert rows[mine.argmax()] == logits.argmax()
+
+
 # ---------------------------------------------------------------------- serving
 
 
