@@ -41,7 +41,17 @@ def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
         log_dir=tmp_path_factory.mktemp("cluster"),
     )
     yield running
-    code = running.stop(timeout=90)  # SIGTERM: drain, then Ray's own shutdown
+    # the graceful stop drains: a stream in progress at SIGTERM runs to its end
+    with httpx.stream("POST", running.base_url + "/v1/chat/completions", headers=AUTH,
+                      timeout=60, json={"model": "m", "max_tokens": 200, "stream": True,
+                                        "messages": [{"role": "user", "content": "A story."}]}
+                      ) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        running.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    assert "data: [DONE]" in rest and not any('"error"' in line for line in rest)
+    code = running.stop(timeout=90)  # Ray's own shutdown follows
     assert code == 0, running.log_text()[-4000:]
 
 
@@ -234,6 +244,28 @@ def test_replica_killed_mid_stream(cluster, oai) -> None:
     after = replicas(cluster, timeout=120)
     assert len(after) == 2 and victim not in after
     assert before[victim] not in after.values()
+
+
+def test_replica_killed_mid_stream_in_anthropic_messages(cluster, ant) -> None:
+    before = replicas(cluster)
+    assert len(before) == 2
+    with ant.messages.with_streaming_response.create(
+        model="m", max_tokens=300, stream=True,
+        messages=[{"role": "user", "content": "Write a long story about a forest."}],
+    ) as raw:
+        victim = raw.headers["x-lmserve-replica"]
+        events = []
+        with pytest.raises(anthropic.APIError) as failure:
+            for event in raw.parse():
+                events.append(event.type)
+                if len(events) == 4:
+                    os.kill(before[victim], signal.SIGKILL)
+    assert "content_block_delta" in events and "message_stop" not in events
+    assert "lost" in str(failure.value)
+    message = ant.messages.create(model="m", max_tokens=4,
+                                  messages=[{"role": "user", "content": QUESTION}])
+    assert message.content[0].text
+    assert len(replicas(cluster, timeout=120)) == 2
 
 
 @pytest.mark.parametrize(("args", "message"), [
