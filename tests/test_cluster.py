@@ -143,6 +143,31 @@ def test_errors_health_and_metrics(cluster, oai, ant) -> None:
         assert f'replica="{name}"' in text
 
 
+def active(cluster: RunningServer) -> float:
+    text = httpx.get(cluster.base_url + "/metrics", headers=AUTH).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lmserve_active_sequences{"))
+
+
+def test_a_client_that_leaves_cancels_its_generation_on_the_replica(cluster) -> None:
+    body = {"model": "m", "max_tokens": 1500, "stream": True,
+            "messages": [{"role": "user", "content": "Write a very long story."}]}
+    with httpx.stream("POST", cluster.base_url + "/v1/chat/completions", headers=AUTH,
+                      json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        for _ in range(6):
+            next(lines)
+        deadline = time.monotonic() + 10
+        while active(cluster) < 1 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert active(cluster) >= 1
+    # 1500 tokens take a replica's thread far longer than this
+    deadline = time.monotonic() + 8
+    while active(cluster) > 0 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert active(cluster) == 0
+
+
 SYSTEM = ("You are a patient tutor. Answer briefly and plainly, in one or two sentences, "
           "and never use lists or headings. The student is working through topic {i}.")
 TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "planets", "bees", "clocks", "glass"]

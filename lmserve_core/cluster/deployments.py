@@ -222,6 +222,9 @@ class LmserveIngress:
                     return self._refusal(path, headers, 503, "no replica could take the request")
             except StopAsyncIteration:
                 return self._refusal(path, headers, 502, "the replica sent no response")
+            except asyncio.CancelledError:  # the client left: so does the replica's request
+                stream.cancel()
+                raise
         passed = [(k, v) for k, v in raw if k.lower() not in _HOP]
         if wire.is_event_stream((k.decode("latin-1"), v.decode("latin-1")) for k, v in raw):
             response: Response = StreamingResponse(self._relay(stream, path), status_code=status)
@@ -231,6 +234,9 @@ class LmserveIngress:
             except RayError as exc:
                 log.warning("replica_lost", path=path, error=str(exc))
                 return self._refusal(path, headers, 502, "the replica serving the request was lost")
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
             response = Response(content, status_code=status)
             passed.append((b"content-length", str(len(content)).encode()))
         response.raw_headers = passed
