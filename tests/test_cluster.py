@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -211,15 +212,35 @@ def test_affinity_keeps_conversations_cached(cluster) -> None:
     assert min(affine) >= 0.9
 
 
+def test_a_session_stays_on_its_replica_until_it_is_full(cluster) -> None:
+    headers = {**AUTH, "x-session-id": "one-session"}
+
+    def ask(max_tokens: int) -> httpx.Response:
+        return httpx.post(cluster.base_url + "/v1/chat/completions", headers=headers,
+                          timeout=120, json={"model": "m", "max_tokens": max_tokens,
+                                             "messages": [{"role": "user", "content": "Hi"}]})
+
+    one_by_one = {ask(2).headers["x-lmserve-replica"] for _ in range(4)}
+    assert len(one_by_one) == 1
+    # 10 at once: the session's replica takes what it can (4 running, 2 waiting), the
+    # least loaded other replica the rest
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(ask, [48] * 10))
+    assert [r.status_code for r in answers] == [200] * 10, [r.text for r in answers if r.status_code != 200]
+    served = [r.headers["x-lmserve-replica"] for r in answers]
+    assert len(set(served)) == 2 and served.count(one_by_one.pop()) >= 4
+
+
 def test_overload_answers_429_with_retry_after(cluster) -> None:
     async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        story = f"Write a long story about ship number {i}."  # 160 tokens, not a line
         if i % 2:
             return await client.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
-                                     json={"model": "m", "max_tokens": 24, "messages": [
-                                         {"role": "user", "content": f"Count to {i}."}]})
+                                     json={"model": "m", "max_tokens": 160, "messages": [
+                                         {"role": "user", "content": story}]})
         return await client.post("/v1/chat/completions", json={
-            "model": "m", "max_tokens": 24, "messages": [
-                {"role": "user", "content": f"Count to {i}."}]})
+            "model": "m", "max_tokens": 160, "messages": [
+                {"role": "user", "content": story}]})
 
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=cluster.base_url, headers=AUTH, timeout=120,
@@ -232,8 +253,10 @@ def test_overload_answers_429_with_retry_after(cluster) -> None:
     statuses = [r.status_code for r in answers]
     print(f"\n40 at once: {statuses.count(200)} x 200, {statuses.count(429)} x 429 "
           f"in {time.monotonic() - started:.1f}s")
+    # 12 fit at once (4 running and 2 waiting per replica); the rest wait up to 2 s for
+    # room, which these replies do not leave them
     assert set(statuses) <= {200, 429}
-    assert statuses.count(200) >= 8 and statuses.count(429) >= 1
+    assert statuses.count(200) >= 12 and statuses.count(429) >= 10
     for i, r in enumerate(answers):
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1

@@ -75,6 +75,10 @@ class LmserveReplica:
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         rank = getattr(context.rank, "rank", context.rank)
+        # Ray admits at most --batch + --queue requests (max_ongoing_requests): the engine
+        # takes all of them, even those arriving together before its worker has moved any
+        # into the running batch (on its own it would count them all as waiting)
+        args.queue += args.batch
         if args.kv_cache_dir:  # a directory of its own, the same after a restart
             args.kv_cache_dir = str(Path(args.kv_cache_dir) / f"replica-{rank}")
         self.built = build(args)
