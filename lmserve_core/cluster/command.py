@@ -150,7 +150,8 @@ def cluster_command(argv: Sequence[str]) -> int:
     finally:
         try:
             serve.delete(APP)  # drains: requests in progress end first
-            serve.shutdown()
+            if not cluster.address:  # a cluster of our own; on a shared one, other apps stay
+                serve.shutdown()
             board = ray.get_actor(METRICS_BOARD, namespace=NAMESPACE)
             ray.kill(board)
         except Exception:  # noqa: BLE001 (already gone)
