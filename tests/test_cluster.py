@@ -186,8 +186,9 @@ def two_turns(base_url: str, routing: str) -> list[float]:
         assert r.status_code == 200, r.text
         return r.json()
 
+    # conversations of their own for each run: the replicas still hold the other run's
     convs = [[{"role": "system", "content": SYSTEM.format(i=i)},
-              {"role": "user", "content": f"Tell me one fact about {t}."}]
+              {"role": "user", "content": f"Tell me one fact about {t} ({routing})."}]
              for i, t in enumerate(TOPICS)]
     firsts: list[dict[str, Any]] = []
     shares = []
