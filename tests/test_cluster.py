@@ -334,3 +334,17 @@ def test_a_missing_model_is_refused_before_ray_starts(tmp_path) -> None:
         [sys.executable, "-m", "lmserve_core", "cluster", str(tmp_path / "none.gguf")],
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "model file not found" in done.stderr
+
+
+def test_serve_run_builds_the_same_application() -> None:
+    from ray import serve
+
+    from lmserve_core.cluster import command
+
+    built = command.app({"argv": f"{smollm2_path()} --replicas 3 --replica-cpus 2 --queue 5"})
+    assert isinstance(built, serve.Application)
+    cluster, args, argv = command.parse([str(smollm2_path()), "--replicas", "3", "--batch", "2"])
+    assert (cluster.replicas, args.batch) == (3, 2)
+    assert argv[-2:] == ["--threads", "1"]  # one thread per CPU reserved
+    with pytest.raises(ValueError, match="--replicas must be at least 1"):
+        command.app({"argv": f"{smollm2_path()} --replicas 0"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -103,30 +104,47 @@ def build_application(cluster: argparse.Namespace, args: argparse.Namespace,
     return ingress.bind(replica.bind(replica_argv), cluster.routing, cluster.admit_wait)
 
 
-def cluster_command(argv: Sequence[str]) -> int:
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse.Namespace, list[str]]:
+    """The cluster's options, the replicas' (``lmserve``'s) and the replicas' argv; raises
+    UsageError."""
     cluster, rest = cluster_parser().parse_known_args(list(argv))
     args = build_parser().parse_args(rest)
-    logs.configure(args.log_level, log_format=args.log_format)
+    _check_ranges(args)
+    if cluster.replicas < 1:
+        raise UsageError("--replicas must be at least 1")
+    if cluster.admit_wait < 0:
+        raise UsageError("--admit-wait must be 0 or positive")
+    if cluster.replica_cpus <= 0:
+        raise UsageError("--replica-cpus must be positive")
+    for name in ("min_replicas", "max_replicas"):
+        value = getattr(cluster, name)
+        if value is not None and value < (0 if name == "min_replicas" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} is out of range")
+    if (cluster.min_replicas or 0) > (cluster.max_replicas or sys.maxsize):
+        raise UsageError("--min-replicas is above --max-replicas")
+    _pick_backend(args)  # the model and its backend, before Ray starts for nothing
+    threads = args.threads or max(1, int(cluster.replica_cpus))
+    return cluster, args, _replica_argv(rest, threads)
+
+
+def app(config: dict[str, str]) -> serve.Application:
+    """The application ``lmserve cluster`` deploys, for Serve's own CLI and config files:
+    ``serve run lmserve_core.cluster.command:app argv="model.gguf --replicas 2"``
+    (``argv``: the command's arguments; the address and port are then Serve's)."""
     try:
-        _check_ranges(args)
-        if cluster.replicas < 1:
-            raise UsageError("--replicas must be at least 1")
-        if cluster.admit_wait < 0:
-            raise UsageError("--admit-wait must be 0 or positive")
-        if cluster.replica_cpus <= 0:
-            raise UsageError("--replica-cpus must be positive")
-        for name in ("min_replicas", "max_replicas"):
-            value = getattr(cluster, name)
-            if value is not None and value < (0 if name == "min_replicas" else 1):
-                raise UsageError(f"--{name.replace('_', '-')} is out of range")
-        if (cluster.min_replicas or 0) > (cluster.max_replicas or sys.maxsize):
-            raise UsageError("--min-replicas is above --max-replicas")
-        _pick_backend(args)  # the model and its backend, before Ray starts for nothing
+        cluster, args, replica_argv = parse(shlex.split(config.get("argv", "")))
+    except UsageError as exc:
+        raise ValueError(f"lmserve cluster: {exc}") from None
+    return build_application(cluster, args, replica_argv)
+
+
+def cluster_command(argv: Sequence[str]) -> int:
+    try:
+        cluster, args, replica_argv = parse(argv)
     except UsageError as exc:
         print(f"lmserve cluster: error: {exc}", file=sys.stderr)
         return 2
-    threads = args.threads or max(1, int(cluster.replica_cpus))
-    replica_argv = _replica_argv(rest, threads)
+    logs.configure(args.log_level, log_format=args.log_format)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     init: dict[str, object] = {"namespace": NAMESPACE, "include_dashboard": False,
                                "log_to_driver": True}
