@@ -28,6 +28,7 @@ APP = "lmserve"
 def cluster_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmserve cluster",
+        usage="lmserve cluster [MODEL] [cluster options] [lmserve options]",
         description="Serve a model from N lmserve replicas on Ray Serve behind one ingress "
         "that keeps each conversation on the replica holding its KV. Every other option is "
         "lmserve's own (`lmserve --help`), given to each replica.",
