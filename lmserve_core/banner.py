@@ -36,11 +36,12 @@ def facts(
     """The fields of the ``serving`` event: the URL (``all_interfaces`` when the address
     binds every interface; ``local_url`` is where this machine reaches it), the model's id,
     file, backend, plugin and architecture, the context, the KV slots and the bytes they
-    take at full context, the chat page (None without one), the OpenAI and Anthropic base
+    take at full context, the cartridge (None without one), the chat page (None without one), the OpenAI and Anthropic base
     URLs and the API's endpoints."""
     everywhere = host in _ALL_INTERFACES
     local = _url(_ALL_INTERFACES[host], port) if everywhere else _url(host, port)
     gguf = getattr(backend, "gguf", None)
+    prefix = getattr(backend, "prefix", None)
     return {
         "version": __version__,
         "url": _url(host, port),
@@ -58,6 +59,8 @@ def facts(
         "decode_precision": decode_precision,
         "batch": batch,
         "spec": getattr(getattr(backend, "drafts", None), "name", None),
+        # --cartridge: the KV prefix every conversation starts behind
+        "cartridge": None if prefix is None else {"path": prefix.source, "rows": prefix.p},
         "auth": auth,
         "webui": chat_page,
         "chat_url": local + "/" if chat_page else None,
@@ -102,6 +105,8 @@ def render(f: dict[str, Any], *, colors: bool = False) -> str:
             kv += f" {f['kv_type']}" if f["kv_type"] else ""
             kv += " at full context"
         rows.append(("KV cache", kv))
+    if f.get("cartridge"):
+        rows.append(("cartridge", f"{f['cartridge']['path']}  ({f['cartridge']['rows']} rows)"))
     if f["chat_url"]:
         rows.append(("chat page", link(f["chat_url"])))
     endpoints = f["endpoints"]

@@ -19,6 +19,7 @@ import structlog
 
 from . import __version__, logs, plugins
 from .backend import BackendSpec, ServerSettings
+from .cartridge.file import CartridgeError, read_cartridge
 from .errors import LmserveError
 
 log = structlog.get_logger("lmserve")
@@ -26,7 +27,6 @@ log = structlog.get_logger("lmserve")
 # Flags of features that are not built yet: parsed so scripts keep working, refused
 # with a clear message instead of being silently ignored.
 _NOT_YET = {
-    "cartridge": "--cartridge (KV-prefix cartridges)",
     "fleet": "--fleet (cartridge fleets)",
     "experts": "--experts (MoE expert borrowing)",
 }
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Serve a GGUF language model behind the OpenAI Chat Completions, OpenAI "
             "Responses and Anthropic Messages APIs. `lmserve plugins` lists installed "
-            "plugins and backends."
+            "plugins and backends; `lmserve convert` converts checkpoints; `lmserve "
+            "cartridge build` makes KV-prefix cartridges (--cartridge)."
         ),
     )
     p.add_argument(
@@ -200,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL.gguf",
         help="speculative decoding with drafts from a smaller model of the same vocabulary",
     )
-    s.add_argument("--cartridge", help="preload a KV-prefix cartridge")
+    s.add_argument(
+        "--cartridge",
+        metavar="FILE",
+        help="serve every conversation behind this KV-prefix cartridge (a .safetensors file "
+        "from `lmserve cartridge build`; docs/cartridges.md): its rows come before the "
+        "prompt's, count in no usage and take the cache p rows beyond --ctx",
+    )
     s.add_argument("--fleet", help="serve a cartridge fleet from DIR")
     s.add_argument("--experts", choices=["borrow"], help="MoE expert placement")
     o = p.add_argument_group("logging")
@@ -238,6 +245,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
         args.model, args.backend = args.nanochat, "nanochat"
     if args.spec_draft and not Path(args.spec_draft).is_file():
         raise UsageError(f"draft model file not found: {args.spec_draft}")
+    if args.cartridge:
+        # read before the model loads: a file that is no cartridge fails at once
+        if not Path(args.cartridge).is_file():
+            raise UsageError(f"cartridge file not found: {args.cartridge}")
+        try:
+            args.cartridge = read_cartridge(args.cartridge)
+        except CartridgeError as exc:
+            raise UsageError(f"--cartridge: {exc}") from exc
     for name, what in _NOT_YET.items():
         if getattr(args, name):
             raise UsageError(f"{what} is not available in this version of lmserve")
@@ -355,12 +370,18 @@ def build(args: argparse.Namespace) -> Built:
             "source": args.source,
             "tokenizer": args.tokenizer,
             "load_type": args.load_type,
+            "cartridge": args.cartridge,
         },
     )
     try:
         backend = spec.factory(model, settings)
+    except CartridgeError as exc:
+        raise UsageError(f"--cartridge: {exc}") from exc
     except (OSError, ValueError, LmserveError) as exc:  # e.g. a chat template that cannot load
         raise UsageError(f"cannot load {model}: {exc}") from exc
+    if args.cartridge and getattr(backend, "prefix", None) is None:
+        backend.close()
+        raise UsageError(f"--cartridge: the {spec.name} backend does not serve cartridges")
     if args.batch > 1 and not callable(getattr(backend, "step", None)):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
     if (args.spec or args.spec_draft) and getattr(backend, "drafts", None) is None:
@@ -570,6 +591,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "`pip install lmserve-core[ray]`", file=sys.stderr)
             return 2
         return cluster_command(argv[1:])
+    if argv[:1] == ["cartridge"]:
+        from .cartridge.cli import main as cartridge_main
+
+        return cartridge_main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, log_format=args.log_format)
     try:

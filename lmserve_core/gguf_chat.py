@@ -33,6 +33,7 @@ import structlog
 
 from . import memory
 from .backend import Capabilities, ServerSettings
+from .cartridge.serve import PrefixRows, prefixed_model
 from .chat_template import ChatTemplate, ControlTextGuard, message_dicts, tool_dicts
 from .errors import InvalidRequest, LmserveError, Unsupported
 from .events import (
@@ -159,6 +160,13 @@ class GGUFChatBackend:
         self.conventions = conventions
         self.settings = settings
         self.model_id = model_id or gguf.model_id or Path(gguf.path).stem
+        # --cartridge: a KV prefix every cache starts with (lmserve_core.cartridge.serve)
+        self.prefix: PrefixRows | None = None
+        cartridge = settings.extra.get("cartridge")
+        if cartridge:
+            wrapped = prefixed_model(model, cartridge, gguf, self.model_id)
+            self.prefix = wrapped.prefix
+            self.model = model = wrapped
         conventions = file_sampling(gguf, conventions)
         self.conventions = conventions
         # the sampler biases logits by token id on every family
@@ -246,6 +254,8 @@ class GGUFChatBackend:
             "cache_kind": probe.kind.name,
             "geometry": [list(layer) for layer in getattr(self.model, "cache_layers", None) or []],
             "kv_type": getattr(self.model, "kv_type", None),
+            # the prefix under every file's rows (none without --cartridge)
+            "prefix": None if self.prefix is None else self.prefix.record(),
         }
         _close(probe)
         if not probe.kind.snapshot:

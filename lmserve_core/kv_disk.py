@@ -8,8 +8,10 @@ last one left off.
 
 Each file is self-describing: ``LMKV``, a format version, a JSON header (the model's
 fingerprint, the cache's kind, geometry and KV type, the token count, the state's size and
-SHA-256), the token shadow (int32) and the cache state. Files are written under a temporary
-name, fsynced and renamed, and named by the hash of their model and tokens, so two servers
+SHA-256; under a cartridge, the prefix's row count, geometry and digest), the token shadow
+(int32) and the cache state (a prefix's rows first: a restore brings back the very prefix
+the file was kept under). Files are written under a temporary name, fsynced and renamed,
+and named by the hash of their model, prefix and tokens, so two servers
 sharing a directory write identical files under identical names and never a half file
 under a final one. A file that is truncated, corrupt, foreign or of another model is skipped
 with a warning. Files are deduplicated by containment (a stored prefix of a longer stored
@@ -153,6 +155,8 @@ class DiskTier:
                 raise DiskTierError("unreadable header")
             for key, want in self.identity.items():
                 if header.get(key) != want:
+                    if key == "prefix":
+                        raise DiskTierError(_other_prefix(header.get(key), want))
                     raise DiskTierError(f"{key} differs: another model or cache layout")
             n = header.get("n_tokens")
             state_bytes = header.get("state_bytes")
@@ -239,7 +243,11 @@ class DiskTier:
         size = _PREFIX.size + len(header) + len(body) + raw.size
         if size > self.max_bytes:
             return False
-        key = hashlib.sha256(str(self.identity.get("model")).encode() + body).hexdigest()[:32]
+        # a conversation kept under a prefix (a cartridge) is another file than the same
+        # tokens without it, or under another prefix
+        prefix = self.identity.get("prefix")
+        owner = str(self.identity.get("model")) + ("" if not prefix else str(prefix["sha256"]))
+        key = hashlib.sha256(owner.encode() + body).hexdigest()[:32]
         final = self.dir / f"{key}{SUFFIX}"
         tmp = self.dir / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -290,6 +298,17 @@ class DiskTier:
         for e in gone:
             e.path.unlink(missing_ok=True)
             log.info("kv_disk_evicted", path=str(e.path), tokens=int(e.tokens.size))
+
+
+def _other_prefix(found: Any, want: Any) -> str:
+    """Why a file kept under another KV prefix (a cartridge, or none) does not serve."""
+
+    def say(prefix: Any) -> str:
+        if not isinstance(prefix, dict):
+            return "no cartridge"
+        return f"a cartridge of {prefix.get('rows')} rows (sha256 {str(prefix.get('sha256'))[:12]})"
+
+    return f"kept under {say(found)}, this server runs {say(want)}"
 
 
 def _fsync_dir(path: Path) -> None:

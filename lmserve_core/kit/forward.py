@@ -246,6 +246,9 @@ class NativeForwardModel:
     ffi: ClassVar[Any]
     lib: ClassVar[Any]
     config_type: ClassVar[Any]
+    # True when every layer's cache rows are plain attention keys and values, the rows a
+    # prompt's tokens would leave: then a KV prefix (a cartridge) can stand for them
+    serves_prefix_rows: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, native: Any = None, config: Any = None, **kwargs: Any) -> None:
         # class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config)

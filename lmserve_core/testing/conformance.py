@@ -16,8 +16,9 @@ The checks: logits against transformers in float32 (f32 and f16 KV caches, the r
 rounded where the f16 cache rounds), each tensor type against its own decoded weights,
 greedy continuations equal to transformers', prefill equal to token-by-token decode, a
 batch equal to each sequence alone, a cache resumed from a reused prefix equal to a cold
-one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, and
-through the served backend: speculative decoding's greedy replies equal to plain decoding's,
+one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, a KV
+prefix of the model's own rows equal to its tokens read first (or refused where rows cannot
+stand for tokens), and through the served backend: speculative decoding's greedy replies equal to plain decoding's,
 a second request resuming from the first's cache equal to a cold one, concurrent requests
 with ``n`` choices and logprobs equal to each alone, and a conversation restored from the
 disk tier by a new server equal to a cold one.
@@ -290,6 +291,28 @@ class CacheConformance(_Settings):
         np.testing.assert_array_equal(warm, model.forward(cache, ids[:4], n, all_logits=True))
         assert np.abs(warm - cold).max() <= self.PATH_ATOL
 
+    def test_prefix_rows_equal_their_tokens_read_first(self, subject: Subject) -> None:
+        # a cartridge of the model's own rows for a document (the prefill init) stands for
+        # the document: what follows reads bit for bit as after the document's tokens read
+        # in the same chunk; a model whose rows cannot stand alone refuses one
+        from lmserve_core.cartridge import Cartridge, CartridgeError
+        from lmserve_core.cartridge.prefill import capture_rows
+        from lmserve_core.cartridge.serve import PrefixedModel, PrefixRows, cartridge_geometry
+
+        model = subject.model("f16")
+        if not getattr(type(model), "serves_prefix_rows", False):
+            with contextlib.suppress(CartridgeError):
+                cartridge_geometry(model)
+                raise AssertionError("a model without plain rows took a cartridge")
+            return
+        doc = subject.ids(self.PROMPTS[2])
+        rest = list(subject.tokenizer.encode(self.PROMPTS[1], add_special=False))
+        k, v = capture_rows(model, doc)
+        served = PrefixedModel(model, PrefixRows(Cartridge(k=k, v=v)))
+        got = served.forward(served.new_cache(len(rest)), rest, 0, all_logits=True)
+        plain = model.new_cache(len(doc) + len(rest))
+        model.forward(plain, doc, 0)
+        np.testing.assert_array_equal(got, model.forward(plain, rest, len(doc), all_logits=True))
 
 
 class ServedConformance(_Settings):

@@ -30,7 +30,7 @@ from lmserve_core.backend import ServerSettings
 from lmserve_core.errors import InvalidRequest
 from lmserve_core.events import EventSink, FinishReason
 from lmserve_core.gguf_chat import Generation, GGUFChatBackend
-from lmserve_core.request import NormalizedRequest, ToolChoiceMode
+from lmserve_core.request import NormalizedRequest
 
 from .dgemma_config import EntropyBound
 from .dgemma_model import DiffusionGemmaModel
@@ -59,18 +59,15 @@ class DiffusionChatBackend(GGUFChatBackend):
             raise ValueError(f"a canvas of {canvas} does not fit the batch of "
                              f"{self.model.n_batch} (--batch)")
         self._blocks: dict[Generation, _Blocks] = {}
+        # the block sampler draws from the denoiser's own distribution: no biases
+        self.capabilities = dataclasses.replace(self.capabilities, logit_bias=False)
 
     def _draft_source(self, settings: ServerSettings) -> None:
         return None  # a block is not decoded token by token: nothing to draft
 
     def validate(self, request: NormalizedRequest) -> None:
-        """The generic checks, after refusing what block diffusion cannot honour."""
-        if request.tools and request.tool_choice.mode != ToolChoiceMode.NONE:
-            raise InvalidRequest("'tools': DiffusionGemma does not call tools", param="tools")
-        if request.constraint is not None:
-            field = request.constraint.field or "response_format"
-            raise InvalidRequest(f"'{field}': DiffusionGemma does not do constrained decoding",
-                                 param=field)
+        """The generic checks, after refusing what block diffusion cannot honour (tools and
+        constraints the dialects refuse: ``Capabilities.refuses_tools``)."""
         if request.logprobs is not None:
             raise InvalidRequest("'logprobs': DiffusionGemma does not report log-probabilities "
                                  "(a block is not drawn token by token)", param="logprobs")

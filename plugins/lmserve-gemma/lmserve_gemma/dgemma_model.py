@@ -28,6 +28,8 @@ class DiffusionGemmaModel(Gemma4Model, config=DiffusionGemmaConfig):
     """A ``diffusion-gemma`` GGUF: the causal pass is :meth:`forward`, the canvas pass
     :meth:`denoise`."""
 
+    serves_prefix_rows = False  # its canvas passes are not a prefix-and-tokens sequence
+
     config: DiffusionGemmaConfig
 
     def diffusion_weights(self, w: Any) -> None:

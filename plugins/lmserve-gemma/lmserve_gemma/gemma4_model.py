@@ -27,6 +27,8 @@ from .gemma4_config import Gemma4Config
 class Gemma4Model(NativeForwardModel, native=_forward, config=Gemma4Config):
     """Gemma 4 over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
+    serves_prefix_rows = True
+
     config: Gemma4Config
 
     def setup(self) -> None:

@@ -27,6 +27,8 @@ from .config import Gemma3Config
 class Gemma3Model(NativeForwardModel, native=_forward, config=Gemma3Config):
     """Gemma 3 over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
+    serves_prefix_rows = True
+
     config: Gemma3Config
 
     def setup(self) -> None:

@@ -74,11 +74,15 @@ def gemma4_conventions() -> FamilyConventions:
 
 
 def diffusion_gemma_conventions() -> FamilyConventions:
-    """DiffusionGemma: Gemma 4's turns and reasoning channel. Grammars and tools pass the
-    dialects (``grammar``, ``tools`` set) so that its backend refuses them with a 400 naming
-    the field, as the reference has neither."""
+    """DiffusionGemma: Gemma 4's turns and reasoning channel; tools and output constraints
+    are a 400 naming the field (the reference has neither)."""
     g4 = gemma4_conventions()
-    return replace(g4, capabilities=replace(g4.capabilities, grammar=True))
+    caps = replace(
+        g4.capabilities, grammar=False, tools=None,
+        refuses_tools="DiffusionGemma writes a block at a time: no tool calls or output "
+        "constraints",
+    )
+    return replace(g4, capabilities=caps)
 
 
 def conventions(gguf: GGUFFile) -> FamilyConventions:

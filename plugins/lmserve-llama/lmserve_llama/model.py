@@ -18,6 +18,8 @@ from .config import LlamaConfig
 class LlamaModel(NativeForwardModel, native=_forward, config=LlamaConfig):
     """The llama forward pass over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
+    serves_prefix_rows = True
+
     config: LlamaConfig
 
     def setup(self) -> None:

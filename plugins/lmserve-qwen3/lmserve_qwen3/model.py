@@ -18,6 +18,8 @@ from .config import Qwen3Config
 class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config):
     """Qwen3 or Qwen3-MoE over a mapped GGUF (its weights, Q5_0 aside, used in place)."""
 
+    serves_prefix_rows = True
+
     config: Qwen3Config
 
     def setup(self) -> None:
