@@ -47,6 +47,10 @@ class Capabilities:
     # token-id logit biases (OpenAI's logit_bias); a backend that honours them also checks
     # the ids against its vocabulary in validate
     logit_bias: bool = False
+    # Why this model takes no tools and no output constraints at all, when it cannot (it
+    # does not write token by token): requests declaring tools or asking for a constraint
+    # are then a 400 naming the field, not a 501 or tools dropped. None: the rules above.
+    refuses_tools: str | None = None
 
     @property
     def tool_style(self) -> str:

@@ -17,7 +17,7 @@ import structlog
 
 from . import __version__, logs, plugins
 from .backend import BackendSpec, ServerSettings
-from .cartridge.file import CartridgeError
+from .cartridge.file import CartridgeError, read_cartridge
 from .errors import LmserveError
 
 log = structlog.get_logger("lmserve")
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Serve a GGUF language model behind the OpenAI Chat Completions, OpenAI "
             "Responses and Anthropic Messages APIs. `lmserve plugins` lists installed "
-            "plugins and backends."
+            "plugins and backends; `lmserve convert` converts checkpoints; `lmserve "
+            "cartridge build` makes KV-prefix cartridges (--cartridge)."
         ),
     )
     p.add_argument(
@@ -242,8 +243,14 @@ def _check_ranges(args: argparse.Namespace) -> None:
         args.model, args.backend = args.nanochat, "nanochat"
     if args.spec_draft and not Path(args.spec_draft).is_file():
         raise UsageError(f"draft model file not found: {args.spec_draft}")
-    if args.cartridge and not Path(args.cartridge).is_file():
-        raise UsageError(f"cartridge file not found: {args.cartridge}")
+    if args.cartridge:
+        # read before the model loads: a file that is no cartridge fails at once
+        if not Path(args.cartridge).is_file():
+            raise UsageError(f"cartridge file not found: {args.cartridge}")
+        try:
+            args.cartridge = read_cartridge(args.cartridge)
+        except CartridgeError as exc:
+            raise UsageError(f"--cartridge: {exc}") from exc
     for name, what in _NOT_YET.items():
         if getattr(args, name):
             raise UsageError(f"{what} is not available in this version of lmserve")

@@ -1086,7 +1086,7 @@ _FILE_SAMPLING = {
 def file_sampling(gguf: GGUFFile, conventions: FamilyConventions) -> FamilyConventions:
     """``conventions`` with the sampling a file recommends (``general.sampling.*``) in place
     of the family's, thinking or not; values out of range are ignored."""
-    found: dict[str, float | int] = {}
+    found: dict[str, Any] = {}  # SamplingDefaults fields, each its type
     for key, name in _FILE_SAMPLING.items():
         value = gguf.metadata.get(f"general.sampling.{key}")
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:

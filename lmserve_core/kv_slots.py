@@ -101,7 +101,7 @@ class SlotPool(Generic[C]):
         self.disk = disk
         self.last_tier = "none"  # where the last adopt found its prefix: resident, disk, none
 
-    def adopt(self, prompt: Sequence[int]) -> tuple[KVSlot[C], int]:
+    def adopt(self, prompt: Sequence[int], behind: Any = None) -> tuple[KVSlot[C], int]:
         """Pick a slot that is not busy for ``prompt``; return it and how many leading tokens
         it reuses.
 
@@ -109,6 +109,12 @@ class SlotPool(Generic[C]):
         caller appends every token whose positions it then writes. At least one prompt token
         is always left to prefill (the next token's logits come from it). Raises
         ``RuntimeError`` when every slot is busy.
+
+        ``behind`` is the KV prefix the conversation stands behind when caches may stand
+        behind different ones (``lmserve_core.cartridge.serve.PrefixRows``, a fleet's
+        choice): only slots behind the same prefix lend theirs, the slot returned stands
+        behind it (``cache.stand_behind``), and the disk tier is not consulted. None: every
+        cache stands behind the same prefix, or none.
         """
         free = [slot for slot in self.slots if not slot.busy]
         if not free:
@@ -120,7 +126,19 @@ class SlotPool(Generic[C]):
             self._match(slot, prompt, limit)
             for slot in self.slots
             if slot.tokens and (not slot.busy or (copy is not None and slot.cache.kind.copy_prefix))
+            and (behind is None or getattr(slot.cache, "prefix", None) is behind)
         ]
+        slot, n = self._adopt(prompt, limit, free, matches, behind is None)
+        if behind is not None and slot.cache.prefix is not behind:  # type: ignore[attr-defined]
+            assert n == 0
+            slot.cache.stand_behind(behind)  # type: ignore[attr-defined]
+        return slot, n
+
+    def _adopt(
+        self, prompt: Sequence[int], limit: int, free: list[KVSlot[C]],
+        matches: list[_Match[C]], disk: bool,
+    ) -> tuple[KVSlot[C], int]:
+        copy = self._copy_rows
         best = max(
             matches,
             key=lambda m: (m.reusable, m.continuation, m.slot.last_used),
@@ -128,7 +146,7 @@ class SlotPool(Generic[C]):
         )
         gate = SIMILARITY_GATE * len(prompt)
         resident = best.reusable if best is not None else 0
-        if self.disk is not None:
+        if self.disk is not None and disk:
             restored = self._restore(prompt, limit, free, max(resident, gate))
             if restored is not None:
                 return restored

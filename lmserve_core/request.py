@@ -73,6 +73,20 @@ class Constraint:
     field: str | None = None  # the request field that gave it (errors name it)
 
 
+@dataclass(frozen=True, slots=True)
+class DiffusionSampling:
+    """A request's overrides of a block-diffusion model's sampler (the ``diffusion`` object
+    of every dialect); ``None`` fields keep the model's own (its GGUF's ``diffusion.eb_*``).
+    Token-by-token models ignore them."""
+
+    max_steps: int | None = None  # denoising steps per block, at most
+    t_min: float | None = None  # temperature of the last step
+    t_max: float | None = None  # temperature of the first step
+    entropy_bound: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+
+
 @dataclass(slots=True)
 class Sampling:
     """Sampling fields; ``None`` means "the model's recommended default"."""
@@ -88,6 +102,7 @@ class Sampling:
     # Added to the logits of these token ids before anything else (OpenAI's logit_bias);
     # None or empty: no bias.
     logit_bias: dict[int, float] | None = None
+    diffusion: DiffusionSampling | None = None
 
 
 DEFAULT_MAX_TOKENS = 1024

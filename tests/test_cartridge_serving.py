@@ -177,3 +177,69 @@ def test_families_of_plain_rows_serve(module: str, cls: str) -> None:
     model.cache_layers = [(2, 64, 64, 0, 16)]  # a recurrent layer: never
     with pytest.raises(CartridgeError, match="layer 0 is recurrent"):
         cartridge_geometry(model)
+
+
+def test_caches_behind_other_prefixes_share_one_model() -> None:
+    """The seams a fleet composes with: several cartridges as one prefix, and a cache that
+    changes the prefix it stands behind; positions count from each cache's own prefix."""
+    model, tok, gguf = _load("smollm2")
+    try:
+        a = prefill_cartridge(model, tok, "Edda keeps the lighthouse on Varnholm.", 6)
+        b = prefill_cartridge(model, tok, "The supply boat is called Marigold.", 5)
+        both = PrefixRows.composed([a, b])
+        assert both.p == 11
+        np.testing.assert_array_equal(both.k[3][6:], b.k[3].reshape(5, -1))
+        served = prefixed(model, a)
+        ids = tok.encode(" Who is it?", add_special=False)
+        want = served.forward(served.new_cache(32, prefix=both), ids, 0)
+        cache = served.new_cache(32)
+        first = served.forward(cache, ids, 0)
+        cache.stand_behind(both)
+        assert cache.n_ctx == 32 + 6 - 11
+        np.testing.assert_array_equal(served.forward(cache, ids, 0), want)
+        assert not np.array_equal(first, want)
+        other = served.new_cache(32)
+        served.copy_rows(cache, other, len(ids))  # the copy stands behind the donor's prefix
+        assert other.prefix is both
+        np.testing.assert_array_equal(
+            served.forward(other, ids[-1:], len(ids) - 1), served.forward(cache, ids[-1:], len(ids) - 1)
+        )
+        with pytest.raises(CartridgeError, match="do not compose"):
+            PrefixRows.composed([a, Cartridge(k=[x[:, :1] for x in b.k], v=[x[:, :1] for x in b.v])])
+    finally:
+        model.close()
+        gguf.close()
+
+
+def test_slots_lend_prefixes_only_behind_the_same_rows() -> None:
+    """SlotPool.adopt(prompt, behind=prefix): the slot pool of a server whose conversations
+    stand behind different prefixes (a fleet) reuses a slot only behind the same one."""
+    from lmserve_core.kv_slots import SlotPool
+
+    model, tok, gguf = _load("smollm2")
+    try:
+        a = PrefixRows(prefill_cartridge(model, tok, "Edda keeps the lighthouse on Varnholm.", 6))
+        b = PrefixRows(prefill_cartridge(model, tok, "The supply boat is called Marigold.", 5))
+        served = PrefixedModel(model, a)
+        pool = SlotPool(2, lambda: served.new_cache(64), served.copy_rows)
+        first = tok.encode("Who keeps the light there?", add_special=False)
+        slot, n = pool.adopt(first, behind=a)
+        assert n == 0 and slot.cache.prefix is a
+        served.forward(slot.cache, first, 0)
+        slot.tokens.extend(first)
+        longer = [*first, *tok.encode(" And the boat?", add_special=False)]
+        other, n = pool.adopt(longer, behind=b)  # the same tokens behind other rows: no reuse
+        assert n == 0 and other is not slot and other.cache.prefix is b
+        np.testing.assert_array_equal(
+            served.forward(other.cache, longer, 0),
+            served.forward(served.new_cache(64, prefix=b), longer, 0),
+        )
+        other.tokens.extend(longer)
+        again, n = pool.adopt(longer, behind=a)  # behind a: the first slot continues
+        assert again is slot and n == len(first)
+        # a slot taken from another prefix stands behind the new one, from the start
+        third, n = pool.adopt(tok.encode("Unrelated words here.", add_special=False), behind=a)
+        assert n == 0 and third is other and third.cache.prefix is a and not third.tokens
+    finally:
+        model.close()
+        gguf.close()

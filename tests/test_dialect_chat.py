@@ -224,6 +224,7 @@ def test_replayed_reasoning_and_extensions_accepted(server: Any) -> None:
             "parallel_tool_calls": True,
             "service_tier": "auto",
             "prompt_cache_key": "k",
+            "diffusion": {"max_steps": 4},  # block-diffusion models only: ignored here
         },
     )
     assert r.status_code == 200, r.text

@@ -29,6 +29,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 ALL_CAPS = Capabilities(grammar=True, reasoning=True, tools=HERMES)
 NO_GRAMMAR = Capabilities(reasoning=True, tools=HERMES)
 GRAMMAR_ONLY = Capabilities(grammar=True)
+REFUSES = Capabilities(reasoning=True, refuses_tools="this model writes a block at a time")
 DIALECTS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 
@@ -95,9 +96,13 @@ class Problem:
             body.update(tools=tools(dialect), tool_choice=forced(dialect))
         elif self.name == "named tool not declared":
             body.update(tools=tools(dialect), tool_choice=forced(dialect, "nope"))
+        elif self.name == "tools refused":
+            body.update(tools=tools(dialect))
+        elif self.name == "forced call refused":
+            body.update(tools=tools(dialect), tool_choice=forced(dialect, "get_weather"))
         elif self.name == "forced call without tools":
             body.update(tool_choice=forced(dialect))
-        elif self.name == "constraint without grammar":
+        elif self.name in ("constraint without grammar", "constraint refused"):
             body.update(json_format(dialect))
         elif self.name == "stop strings unsupported":
             body[STOP_FIELD[dialect]] = ["END"]
@@ -114,8 +119,10 @@ class Problem:
         """The fields its message names, longest first (so replacing them is unambiguous)."""
         if self.name == "named tool not declared":
             return [NAMED_FIELD[dialect]]
-        if self.name == "constraint without grammar":
+        if self.name in ("constraint without grammar", "constraint refused"):
             return [CONSTRAINT_FIELD[dialect]]
+        if self.name in ("tools refused", "forced call refused"):
+            return ["tools"]
         if self.name == "stop strings unsupported":
             return [STOP_FIELD[dialect]]
         if self.name == "no system role":
@@ -141,6 +148,9 @@ PROBLEMS = [
     Problem("constraint without grammar", NO_GRAMMAR, 501),
     Problem("stop strings unsupported", Capabilities(stop_strings=False), 501),
     Problem("no system role", Capabilities(system_role=False), 400),
+    Problem("tools refused", REFUSES, 400),
+    Problem("forced call refused", REFUSES, 400),
+    Problem("constraint refused", REFUSES, 400),
 ]
 
 

@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,9 @@ def test_drafts_are_verified_behind_the_prefix(rig: Rig) -> None:
     reply, _, _ = chat(rig.served, messages, max_tokens=32)
     want, _, _ = complete(rig.control, rig.control_prompt(rig.chat_text(messages)), max_tokens=32)
     assert reply == want
+    deadline = time.monotonic() + 10  # the line may come a moment after the reply
+    while len(kv_events(rig.served, "speculation")) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
     drafted = kv_events(rig.served, "speculation")[before:]
     assert drafted and drafted[-1]["proposed"] > 0
 
@@ -204,6 +208,21 @@ def test_a_second_turn_reuses_the_slot_past_the_prefix(rig: Rig) -> None:
     assert control_cached == P + cached
 
 
+def settled(server: RunningServer, at_least: int) -> list[str]:
+    """The server's ``kv_reuse`` and ``request`` events in order, once every request read
+    has ended, and at least ``at_least`` have (a request's log line may come a moment after
+    its reply)."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in server.log_text().splitlines()
+                 if line.startswith("{")]
+        order = [e["event"] for e in lines if e.get("event") in ("kv_reuse", "request")]
+        ended = order.count("request")
+        if (ended == order.count("kv_reuse") and ended >= at_least) or time.monotonic() > deadline:
+            return order
+        time.sleep(0.05)
+
+
 def test_two_conversations_batched_equal_each_alone(rig: Rig) -> None:
     questions = [[{"role": "user", "content": q}] for q in (QUESTION, OTHER)]
     alone = [chat(rig.served, m)[0] for m in questions]
@@ -214,7 +233,7 @@ def test_two_conversations_batched_equal_each_alone(rig: Rig) -> None:
         barrier.wait()
         together[i] = chat(rig.served, questions[i])[0]
 
-    seen = len(kv_events(rig.served, "request"))
+    seen = len(settled(rig.served, 0))  # events so far: each request's kv_reuse and request
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
@@ -222,11 +241,8 @@ def test_two_conversations_batched_equal_each_alone(rig: Rig) -> None:
         t.join()
     assert together == alone
     # both were read before either ended: they ran in one batch
-    lines = [json.loads(line) for line in rig.served.log_text().splitlines()
-             if line.startswith("{")]
-    order = [e["event"] for e in lines if e.get("event") in ("kv_reuse", "request")]
-    tail = order[2 * seen :]  # each request so far: kv_reuse, then request
-    assert tail == ["kv_reuse", "kv_reuse", "request", "request"], order
+    order = settled(rig.served, seen // 2 + 2)
+    assert order[seen:] == ["kv_reuse", "kv_reuse", "request", "request"], order
 
 
 # ---------------------------------------------------------------------- the disk tier
@@ -344,3 +360,7 @@ def test_build_refuses_what_it_cannot_make(tmp_path: Path) -> None:
     assert not (tmp_path / "c.safetensors").exists()
     done = build(model, corpus, tmp_path / "c.safetensors", p=1)
     assert done.returncode == 2 and "--p must be at least 2" in done.stderr
+    if importlib.util.find_spec("lmserve_core.cartridge.train") is None:
+        done = run_lmserve("cartridge", "build", str(corpus), str(tmp_path / "c.safetensors"),
+                           "--p", "4", "--train")
+        assert done.returncode == 2 and "needs the train extra" in done.stderr

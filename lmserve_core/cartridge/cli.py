@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -81,13 +83,13 @@ def build_command(args: argparse.Namespace) -> int:
     from .prefill import model_metadata, prefill_cartridge
 
     if args.train:
-        try:
-            from . import train  # type: ignore[attr-defined]
-        except ImportError as exc:
+        # self-study lives in lmserve_core.cartridge.train, on the train extra's libraries
+        if importlib.util.find_spec("lmserve_core.cartridge.train") is None:
             raise CartridgeError(
-                "--train needs the train extra (pip install 'lmserve-core[train]'): "
-                f"{exc}"
-            ) from None
+                "--train: self-study training is not in this installation (it needs the "
+                "train extra: pip install 'lmserve-core[train]')"
+            )
+        train = importlib.import_module("lmserve_core.cartridge.train")
         return int(train.build_command(args))
     if args.p < 2:
         raise CartridgeError(f"--p must be at least 2, got {args.p}")

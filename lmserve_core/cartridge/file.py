@@ -42,6 +42,7 @@ class Cartridge:
     metadata: dict[str, str] = field(default_factory=dict)
     frozen_prefix: int = 1
     draft_reference: np.ndarray | None = None  # int64 corpus tokens, optional
+    path: str | None = None  # the file it was read from (read_cartridge sets it)
 
     def __post_init__(self) -> None:
         if not self.k or len(self.k) != len(self.v):
@@ -247,7 +248,10 @@ def read_cartridge(path: str | os.PathLike[str]) -> Cartridge:
     draft = None
     if "draft_reference" in f.names():
         draft = np.asarray(f.get_tensor("draft_reference")).astype(np.int64).reshape(-1)
-    return Cartridge(k=ks, v=vs, metadata=f.metadata, frozen_prefix=frozen, draft_reference=draft)
+    return Cartridge(
+        k=ks, v=vs, metadata=f.metadata, frozen_prefix=frozen, draft_reference=draft,
+        path=str(path),
+    )
 
 
 def check_geometry(

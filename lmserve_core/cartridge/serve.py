@@ -19,9 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import structlog
 
 from ..model import CacheKind
-from .file import Cartridge, CartridgeError, check_geometry
+from .file import Cartridge, CartridgeError, check_geometry, read_cartridge
+
+log = structlog.get_logger("lmserve.cartridge")
 
 
 class PrefixRows:
@@ -212,11 +215,13 @@ def cartridge_geometry(model: Any, *, what: str = "the model") -> tuple[list[int
     return [layer[0] for layer in layers], [layer[1] for layer in layers]
 
 
-def prefixed(model: Any, cartridge: Cartridge, *, source: str = "cartridge") -> PrefixedModel:
+def prefixed(
+    model: Any, cartridge: Cartridge, *, source: str = "cartridge", what: str = "the model"
+) -> PrefixedModel:
     """``model`` serving ``cartridge`` behind every conversation, once its geometry is
     checked (:class:`CartridgeError` naming the layer and shape that do not fit)."""
-    heads, dims = cartridge_geometry(model)
-    check_geometry(cartridge, heads, dims, source=source)
+    heads, dims = cartridge_geometry(model, what=what)
+    check_geometry(cartridge, heads, dims, source=source, model=what)
     return PrefixedModel(model, PrefixRows(cartridge, source))
 
 
@@ -224,22 +229,15 @@ def prefixed_model(model: Any, cartridge: str | Cartridge, gguf: Any, model_id: 
     """The chat path's ``--cartridge``: ``cartridge`` (a file, or one already read) checked
     against ``model`` and served behind every conversation. A cartridge made from another
     model of the same geometry serves with a warning (its rows may mean nothing to this one)."""
-    import structlog
-
-    from .file import read_cartridge
-
-    log = structlog.get_logger("lmserve.cartridge")
-    source = "cartridge" if isinstance(cartridge, Cartridge) else str(cartridge)
     cart = cartridge if isinstance(cartridge, Cartridge) else read_cartridge(cartridge)
-    heads, dims = cartridge_geometry(model, what=f"{model_id} ({gguf.architecture})")
-    check_geometry(cart, heads, dims, source=source, model=f"{model_id}")
-    made_for = {k: cart.metadata.get(k) for k in ("architecture", "model_id")}
+    source = cart.path or "cartridge"
+    wrapped = prefixed(model, cart, source=source, what=model_id)
     mine = {"architecture": gguf.architecture, "model_id": gguf.model_id}
-    for key, value in made_for.items():
-        if value and mine[key] and value != mine[key]:
-            log.warning("cartridge_other_model", key=key, cartridge=value, model=mine[key],
+    for key, value in mine.items():
+        made_for = cart.metadata.get(key)
+        if made_for and value and made_for != value:
+            log.warning("cartridge_other_model", key=key, cartridge=made_for, model=value,
                         source=source)
-    wrapped = PrefixedModel(model, PrefixRows(cart, source))
     log.info("cartridge", source=source, rows=cart.p, layers=cart.n_layer,
              init=cart.metadata.get("init"), bytes=cart.nbytes, sha256=wrapped.prefix.digest[:16])
     return wrapped

@@ -47,6 +47,7 @@ from .common import (
     bounded_max_tokens,
     check_stop,
     collect,
+    diffusion_from,
     json_text,
     new_id,
     open_stream,
@@ -376,6 +377,7 @@ def _apply_generation_fields(
         temperature=_unit_interval(body.temperature, "temperature"),
         top_p=_unit_interval(body.top_p, "top_p"),
         top_k=body.top_k,
+        diffusion=diffusion_from(body.diffusion),
     )
     normalized.stop = check_stop(body.stop_sequences, "stop_sequences")
     policy.check_stop_strings(normalized.stop, "stop_sequences", caps)

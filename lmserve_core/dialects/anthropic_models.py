@@ -201,3 +201,5 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     context_management: dict[str, Any] | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
+    # extension: a block-diffusion model's sampler overrides
+    diffusion: Any = None

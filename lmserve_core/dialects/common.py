@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,13 @@ from ..events import (
     TokenLogprob,
     ToolCallEvent,
 )
-from ..request import DEFAULT_MAX_TOKENS, NormalizedRequest, ToolCall, choices_of
+from ..request import (
+    DEFAULT_MAX_TOKENS,
+    DiffusionSampling,
+    NormalizedRequest,
+    ToolCall,
+    choices_of,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -61,6 +68,47 @@ def reject(param: str, why: str = "is not supported", *, status: int = 400) -> L
     err = InvalidRequest(f"'{param}' {why}", param=param, code="unsupported_parameter")
     err.status = status
     return err
+
+
+# The ``diffusion`` object: field -> (integer?, lowest, highest, lowest excluded?).
+MAX_DIFFUSION_STEPS = 512
+_DIFFUSION_FIELDS: dict[str, tuple[bool, float, float, bool]] = {
+    "max_steps": (True, 1, MAX_DIFFUSION_STEPS, False),
+    "t_min": (False, 0.0, 100.0, True),
+    "t_max": (False, 0.0, 100.0, True),
+    "entropy_bound": (False, 0.0, 1e6, True),
+    "stability_threshold": (True, 0, MAX_DIFFUSION_STEPS, False),
+    "confidence_threshold": (False, 0.0, 1e6, False),
+}
+
+
+def diffusion_from(raw: Any, field_name: str = "diffusion") -> DiffusionSampling | None:
+    """The request's ``diffusion`` object: overrides of a block-diffusion model's sampler
+    (same in every dialect). Unknown keys, wrong types and out-of-range values are a 400
+    naming ``diffusion.<key>``; absent or null: the model's own parameters."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"'{field_name}' must be an object", param=field_name)
+    values: dict[str, int | float] = {}
+    for key, value in raw.items():
+        name = f"{field_name}.{key}"
+        spec = _DIFFUSION_FIELDS.get(key)
+        if spec is None:
+            known = ", ".join(_DIFFUSION_FIELDS)
+            raise InvalidRequest(f"'{name}' is not a field of '{field_name}' ({known})",
+                                 param=name)
+        if value is None:
+            continue
+        integer, low, high, open_low = spec
+        kind = "an integer" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise InvalidRequest(f"'{name}' must be {kind}", param=name)
+        if not math.isfinite(value) or value > high or value < low or (open_low and value == low):
+            lower = f"> {low:g}" if open_low else f">= {low:g}"
+            raise InvalidRequest(f"'{name}' must be {kind} {lower} and <= {high:g}", param=name)
+        values[key] = int(value) if integer else float(value)
+    return DiffusionSampling(**values) if values else None  # type: ignore[arg-type]
 
 
 def json_text(value: Any) -> str:

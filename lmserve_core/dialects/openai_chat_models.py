@@ -122,6 +122,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repeat_penalty: float | None = None
     regex: str | None = None
     lark: str | None = None
+    # a block-diffusion model's sampler overrides (checked by dialects.common.diffusion_from)
+    diffusion: Any = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -24,7 +24,7 @@ from ..request import (
     ToolChoiceMode,
 )
 from . import policy
-from .common import bounded_max_tokens, check_stop, json_text, reject
+from .common import bounded_max_tokens, check_stop, diffusion_from, json_text, reject
 from .openai_chat_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -83,6 +83,7 @@ def sampling_from(body: SamplingFields) -> Sampling:
         presence_penalty=_in_range(body.presence_penalty, "presence_penalty", -2.0, 2.0),
         frequency_penalty=_in_range(body.frequency_penalty, "frequency_penalty", -2.0, 2.0),
         seed=seed,
+        diffusion=diffusion_from(body.diffusion),
     )
 
 

@@ -18,6 +18,9 @@ The rules:
   governs the reply's text and the tool choice its calls, independently: with a forced
   call the reply is the call (the constraint has no text to govern), under auto it is
   calls or text of the constraint.
+* A model that refuses tools and constraints outright (``Capabilities.refuses_tools``: it
+  does not write token by token) makes declared tools (unless the choice is none) and any
+  constraint a 400 naming the field.
 * A grammar — a constraint or a forced call — governs the reply from its first token, so
   it switches reasoning off. A reasoning switch on a backend without a reasoning mode is a
   no-op, or a 400 where the dialect's field promises reasoning (``ReasoningAsk.strict``).
@@ -145,6 +148,8 @@ def pick_constraint(
             param=second,
         )
     field, constraint = found[0]
+    if caps.refuses_tools is not None:
+        raise InvalidRequest(f"'{field}': {caps.refuses_tools}", param=field)
     if not caps.grammar:
         raise Unsupported(
             f"'{field}' needs constrained decoding, which this model's backend lacks",
@@ -172,6 +177,8 @@ def check_system_role(field: str, caps: Capabilities) -> None:
 
 def _tools(ask: ToolAsk, caps: Capabilities) -> tuple[list[Tool], ToolChoice]:
     field, choice = ask.field, ask.choice
+    if ask.tools and choice.mode is not ToolChoiceMode.NONE and caps.refuses_tools is not None:
+        raise InvalidRequest(f"'tools': {caps.refuses_tools}", param="tools")
     if is_forced(choice):
         if not ask.tools:
             raise InvalidRequest(

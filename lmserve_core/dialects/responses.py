@@ -34,6 +34,7 @@ from .common import (
     bounded_max_tokens,
     check_stop,
     collect,
+    diffusion_from,
     json_text,
     new_id,
     open_stream,
@@ -116,6 +117,7 @@ def _sampling(body: ResponsesRequest) -> Sampling:
         frequency_penalty=body.frequency_penalty,
         # llama.cpp precedent: a negative seed asks for a random one
         seed=body.seed if body.seed is None or body.seed >= 0 else None,
+        diffusion=diffusion_from(body.diffusion),
     )
 
 

@@ -62,6 +62,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     regex: str | None = None
     lark: str | None = None
+    diffusion: Any = None  # a block-diffusion model's sampler overrides
     # rejected when set: the server is stateless and samples one reply without logprobs
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None

@@ -13,6 +13,11 @@ hands out the family's hook and backend factory as its own::
     create_backend = FAMILY.create_backend
     register_backends = FAMILY.register_backends
 
+A family that converts transformers checkpoints to its GGUF layout (``lmserve convert``)
+names its converters too, ``converters=[Converter("Qwen3ForCausalLM",
+"lmserve_qwen3.convert:convert", "Qwen3 to a qwen3 GGUF")]``, and hands out
+``register_converters = FAMILY.register_converters``.
+
 The model class is imported only when a backend is created, so listing the installed
 plugins never loads a family's native module.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lmserve_core.backend import ServerSettings
@@ -29,7 +35,7 @@ from lmserve_core.gguf_file import GGUFError, GGUFFile
 from lmserve_core.hookspecs import hookimpl
 from lmserve_core.model import FamilyConventions
 
-__all__ = ["BackendSpec", "Family"]
+__all__ = ["BackendSpec", "Converter", "Family"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,17 @@ class BackendSpec:
     default_model: Callable[[], str | None] | None = None
     # a model path of its own that is not a GGUF file (``lmserve DIR``)
     recognizes: Callable[[str], bool] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Converter:
+    """A converter ``lmserve convert`` offers: checkpoints whose ``config.json`` lists
+    ``architecture`` go through ``convert`` (``"module:function"``, imported when it runs, as
+    ``function(hf_dir: Path, out: Path, outtype: str) -> Path``)."""
+
+    architecture: str
+    convert: str
+    description: str
 
 
 class Family:
@@ -69,6 +86,7 @@ class Family:
         backends: Sequence[BackendSpec],
         open: Callable[[str, ServerSettings], GGUFFile] | None = None,
         chat: Mapping[str, str] | None = None,
+        converters: Sequence[Converter] = (),
     ) -> None:
         if not backends:
             raise ValueError("a family registers at least one backend")
@@ -77,6 +95,7 @@ class Family:
         self._conventions = conventions
         self._open = open
         self._chat = dict(chat or {})
+        self.converters = tuple(converters)
         self.backends = tuple(backends)
         self.architectures = tuple(a for spec in self.backends for a in spec.architectures)
         if not isinstance(model, str) and set(model) != set(self.architectures):
@@ -151,6 +170,19 @@ class Family:
                 description=spec.description,
                 **kwargs,
             )
+
+    @hookimpl
+    def register_converters(self, register: Any) -> None:
+        """The ``register_converters`` hook: every converter of the family (handed out as
+        ``register_converters = FAMILY.register_converters``)."""
+        for converter in self.converters:
+
+            def convert(hf_dir: Path, out: Path, outtype: str, _path: str = converter.convert
+                        ) -> Path:
+                result: Path = _imported(_path)(hf_dir, out, outtype)
+                return result
+
+            register(converter.architecture, convert, description=converter.description)
 
 
 def _imported(path: str) -> Any:

@@ -16,13 +16,18 @@ The checks: logits against transformers in float32 (f32 and f16 KV caches, the r
 rounded where the f16 cache rounds), each tensor type against its own decoded weights,
 greedy continuations equal to transformers', prefill equal to token-by-token decode, a
 batch equal to each sequence alone, a cache resumed from a reused prefix equal to a cold
-one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, a KV prefix
-of the model's own rows equal to its tokens read first (or refused where rows cannot stand
-for tokens), and
-through the served backend: speculative decoding's greedy replies equal to plain decoding's,
+one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, a KV
+prefix of the model's own rows equal to its tokens read first (or refused where rows cannot
+stand for tokens), and through the served backend: speculative decoding's greedy replies equal to plain decoding's,
 a second request resuming from the first's cache equal to a cold one, concurrent requests
 with ``n`` choices and logprobs equal to each alone, and a conversation restored from the
 disk tier by a new server equal to a cold one.
+
+The checks come in three parts, :class:`NumericsConformance` (against transformers),
+:class:`CacheConformance` (our own paths against each other: no reference model needed) and
+:class:`ServedConformance` (real servers), and :class:`FamilyConformance` is all three. A
+family whose model does not fit one part (a block-diffusion model is not decoded token by
+token) subclasses the parts that apply and says why in its test module.
 
 torch, transformers and pytest are imported by the tests that use them.
 """
@@ -43,7 +48,15 @@ from lmserve_core.testing.numerics import (
     stepped_logits,
 )
 
-__all__ = ["FamilyConformance", "Subject", "check_routing", "synthetic_subjects"]
+__all__ = [
+    "CacheConformance",
+    "FamilyConformance",
+    "NumericsConformance",
+    "ServedConformance",
+    "Subject",
+    "check_routing",
+    "synthetic_subjects",
+]
 
 
 @dataclass
@@ -163,8 +176,8 @@ def check_routing(
     return routing
 
 
-class FamilyConformance:
-    """The checks every family passes; see the module's docstring."""
+class _Settings:
+    """The bounds and prompts every part of the suite shares (a family overrides them)."""
 
     # max |ours - reference| of the logits, per KV cache type: a family sets its own bounds
     # (measured, with a margin) when its logits spread wider than the synthetic defaults
@@ -180,8 +193,12 @@ class FamilyConformance:
         "The history of the bicycle begins in the early nineteenth century, when inventors",
     )
     GREEDY_TOKENS: ClassVar[int] = 24
+    # the batch (chunk) of the resumed-cache check: small, so a prompt is read in chunks
+    RESUME_BATCH: ClassVar[int] = 16
 
-    # ------------------------------------------------------------------ numerics
+
+class NumericsConformance(_Settings):
+    """Logits, tensor types and greedy continuations against transformers."""
 
     def test_logits_match_transformers(self, subject: Subject) -> None:
         for kv in ("f32", "f16"):
@@ -223,7 +240,10 @@ class FamilyConformance:
                 print(f"{kv}: diverges at {k} ({got[k]} against {want[k]}), gap {gap:.3g}")
                 assert gap <= 2 * self.LOGIT_ATOL[kv], (kv, prompt)
 
-    # ------------------------------------------------------------------ cache paths
+
+
+class CacheConformance(_Settings):
+    """Prefill, batches, resumed and restored caches against a cold pass of our own."""
 
     def test_prefill_equals_token_by_token_decode(self, subject: Subject) -> None:
         # f32 KV: a prompt's pass attends over the rows it computed, decode over stored ones
@@ -238,7 +258,7 @@ class FamilyConformance:
     def test_resumed_cache_equals_cold(self, subject: Subject) -> None:
         # a prompt read in several chunks; its cache cut back to what it can reuse of a
         # shorter common prefix; the rest read again, also into a copy of that prefix
-        model = subject.model("f32", n_batch=16)
+        model = subject.model("f32", n_batch=self.RESUME_BATCH)
         ids = subject.ids(self.PROMPTS[0] + self.PROMPTS[1])
         n = len(ids)
         cold = model.forward(model.new_cache(n), ids, 0, all_logits=True)
@@ -294,7 +314,9 @@ class FamilyConformance:
         model.forward(plain, doc, 0)
         np.testing.assert_array_equal(got, model.forward(plain, rest, len(doc), all_logits=True))
 
-    # ------------------------------------------------------------------ served
+
+class ServedConformance(_Settings):
+    """Real servers: speculative decoding, reuse, batched choices, the disk tier."""
 
     def test_speculative_and_reused_replies_equal_plain(self, subject: Subject) -> None:
         if subject.create_backend is None:
@@ -427,3 +449,7 @@ class FamilyConformance:
         assert r.status_code == 200, r.text
         data: dict[str, Any] = r.json()
         return data
+
+
+class FamilyConformance(NumericsConformance, CacheConformance, ServedConformance):
+    """The checks every family passes; see the module's docstring."""

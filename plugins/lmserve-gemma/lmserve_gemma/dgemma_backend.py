@@ -10,13 +10,17 @@ ends there, read causally into the prefix for the next block.
 
 ``max_tokens`` bounds the committed tokens: the last block is cut to it (each block costs a
 whole canvas of work, ``canvas_length`` positions of context). Grammars and tools are
-refused with a 400 naming the field (the reference offers neither); sampling fields other
-than ``seed`` are ignored (the sampler's parameters are the file's ``diffusion.eb_*``); a
-request's ``seed`` makes its reply reproducible.
+refused with a 400 naming the field (the reference offers neither), and so are
+log-probabilities. The sampler's parameters
+are the file's ``diffusion.eb_*``, each overridable by the request's ``diffusion`` object
+(``max_steps``, ``t_min``, ``t_max``, ``entropy_bound``, ``stability_threshold``,
+``confidence_threshold``); a request's ``seed`` makes its reply reproducible; the other
+sampling fields are ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +30,9 @@ from lmserve_core.backend import ServerSettings
 from lmserve_core.errors import InvalidRequest
 from lmserve_core.events import EventSink, FinishReason
 from lmserve_core.gguf_chat import Generation, GGUFChatBackend
-from lmserve_core.request import NormalizedRequest, ToolChoiceMode
+from lmserve_core.request import NormalizedRequest
 
+from .dgemma_config import EntropyBound
 from .dgemma_model import DiffusionGemmaModel
 from .dgemma_sampler import BlockDenoiser, trim_at_eos
 
@@ -37,6 +42,7 @@ class _Blocks:
     """A generation's block diffusion: its random source and the block being denoised."""
 
     rng: np.random.Generator
+    params: EntropyBound
     block: BlockDenoiser | None = None
     pos: int = 0  # where the block's canvas sits
 
@@ -53,19 +59,35 @@ class DiffusionChatBackend(GGUFChatBackend):
             raise ValueError(f"a canvas of {canvas} does not fit the batch of "
                              f"{self.model.n_batch} (--batch)")
         self._blocks: dict[Generation, _Blocks] = {}
+        # the block sampler draws from the denoiser's own distribution: no biases
+        self.capabilities = dataclasses.replace(self.capabilities, logit_bias=False)
 
     def _draft_source(self, settings: ServerSettings) -> None:
         return None  # a block is not decoded token by token: nothing to draft
 
     def validate(self, request: NormalizedRequest) -> None:
-        """The generic checks, after refusing what block diffusion cannot honour."""
-        if request.tools and request.tool_choice.mode != ToolChoiceMode.NONE:
-            raise InvalidRequest("'tools': DiffusionGemma does not call tools", param="tools")
-        if request.constraint is not None:
-            field = request.constraint.field or "response_format"
-            raise InvalidRequest(f"'{field}': DiffusionGemma does not do constrained decoding",
-                                 param=field)
+        """The generic checks, after refusing what block diffusion cannot honour (tools and
+        constraints the dialects refuse: ``Capabilities.refuses_tools``)."""
+        if request.logprobs is not None:
+            raise InvalidRequest("'logprobs': DiffusionGemma does not report log-probabilities "
+                                 "(a block is not drawn token by token)", param="logprobs")
+        self._sampler(request)
         super().validate(request)
+
+    def _sampler(self, request: NormalizedRequest) -> EntropyBound:
+        """The file's sampler parameters with the request's ``diffusion`` overrides."""
+        params = self.model.config.sampler
+        asked = request.sampling.diffusion
+        if asked is None:
+            return params
+        changes = {f.name: getattr(asked, f.name) for f in dataclasses.fields(asked)
+                   if getattr(asked, f.name) is not None}
+        if "max_steps" in changes:
+            changes["max_denoising_steps"] = changes.pop("max_steps")
+        try:
+            return params.replace(**changes)
+        except ValueError as exc:
+            raise InvalidRequest(f"'diffusion': {exc}", param="diffusion") from None
 
     def begin(self, request: NormalizedRequest, sink: EventSink) -> Generation:
         gen = super().begin(request, sink)
@@ -73,7 +95,7 @@ class DiffusionChatBackend(GGUFChatBackend):
             seed = request.sampling.seed
             if seed is None:
                 seed = self.settings.seed
-            self._blocks[gen] = _Blocks(np.random.default_rng(seed))
+            self._blocks[gen] = _Blocks(np.random.default_rng(seed), self._sampler(request))
         return gen
 
     def step(self, gens: Any) -> None:
@@ -106,8 +128,7 @@ class DiffusionChatBackend(GGUFChatBackend):
                 full = None if sc is None else self._padded(sc)
                 return self.model.denoise(slot.cache, ids.tolist(), pos, full)[:, :vocab]
 
-            state.block = BlockDenoiser(denoise, self.model.config.sampler, canvas, vocab,
-                                        state.rng)
+            state.block = BlockDenoiser(denoise, state.params, canvas, vocab, state.rng)
         if state.block.step():
             tokens, state.block = state.block.tokens, None
             self._commit(gen, tokens, state.pos)

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 from importlib import resources
-from pathlib import Path
-from typing import Any
 
-from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.gguf_file import GGUFFile
-from lmserve_core.kit.family import BackendSpec, Family
+from lmserve_core.kit.family import BackendSpec, Converter, Family
 from lmserve_core.model import FamilyConventions
 
 from .gemma4_tools import GEMMA4_TOOLS
@@ -77,11 +74,15 @@ def gemma4_conventions() -> FamilyConventions:
 
 
 def diffusion_gemma_conventions() -> FamilyConventions:
-    """DiffusionGemma: Gemma 4's turns and reasoning channel. Grammars and tools pass the
-    dialects (``grammar``, ``tools`` set) so that its backend refuses them with a 400 naming
-    the field, as the reference has neither."""
+    """DiffusionGemma: Gemma 4's turns and reasoning channel; tools and output constraints
+    are a 400 naming the field (the reference has neither)."""
     g4 = gemma4_conventions()
-    return replace(g4, capabilities=replace(g4.capabilities, grammar=True))
+    caps = replace(
+        g4.capabilities, grammar=False, tools=None,
+        refuses_tools="DiffusionGemma writes a block at a time: no tool calls or output "
+        "constraints",
+    )
+    return replace(g4, capabilities=caps)
 
 
 def conventions(gguf: GGUFFile) -> FamilyConventions:
@@ -99,6 +100,12 @@ FAMILY = Family(
         "diffusion-gemma": "lmserve_gemma.dgemma_model:DiffusionGemmaModel",
     },
     chat={"diffusion-gemma": "lmserve_gemma.dgemma_backend:DiffusionChatBackend"},
+    converters=[
+        Converter(
+            "DiffusionGemmaForBlockDiffusion", "lmserve_gemma.convert_diffusion:convert",
+            "DiffusionGemma (text) to a diffusion-gemma GGUF",
+        )
+    ],
     conventions=conventions,
     backends=[
         BackendSpec(
@@ -111,18 +118,4 @@ FAMILY = Family(
 )
 create_backend = FAMILY.create_backend
 register_backends = FAMILY.register_backends
-
-
-def _convert_diffusion(hf_dir: Path, out: Path, outtype: str) -> Path:
-    from .convert_diffusion import convert
-
-    return convert(hf_dir, out, outtype)
-
-
-@hookimpl
-def register_converters(register: Any) -> None:
-    """``lmserve convert`` of transformers' ``DiffusionGemmaForBlockDiffusion`` checkpoints."""
-    register(
-        "DiffusionGemmaForBlockDiffusion", _convert_diffusion,
-        description="DiffusionGemma (text) to a diffusion-gemma GGUF",
-    )
+register_converters = FAMILY.register_converters

@@ -106,6 +106,26 @@ def test_grammars_and_tools_are_refused_naming_the_field(served: Any) -> None:
         "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
     assert r.status_code == 400 and "tools" in r.text, r.text
+    r = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": MESSAGES, "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = client.post("/v1/responses", json={
+        "model": "m", "input": "Hi", "text": {"format": {"type": "json_object"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "logit_bias": {"5": 10}})
+    assert r.status_code == 501 and r.json()["error"]["param"] == "logit_bias", r.text
+    # tool_choice none hides the tools: a plain reply
+    r = client.post("/v1/chat/completions", json={
+        "model": "m", "messages": MESSAGES, "tools": [tool], "tool_choice": "none",
+        "max_tokens": 4, "diffusion": {"max_steps": 1}})
+    assert r.status_code == 200, r.text
+    # what the server says of itself
+    meta = client.get("/v1/models").json()["data"][0]["meta"]["capabilities"]
+    assert meta == {"reasoning": True, "tools": "none", "grammar": False}, meta
 
 
 def test_stop_strings_apply_to_committed_text(served: Any) -> None:
@@ -117,3 +137,129 @@ def test_stop_strings_apply_to_committed_text(served: Any) -> None:
     cut = sdk.chat.completions.create(**ask, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.message.content == whole[: whole.index(stop)]
+
+
+def _denoiser_passes(backend: DiffusionChatBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that counts the denoiser passes the backend runs from now on."""
+    calls: list[int] = []
+    real = backend.model.denoise
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend.model, "denoise", counted)
+    return calls
+
+
+def test_the_diffusion_object_overrides_the_sampler_per_request(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, sdk, backend = served
+    calls = _denoiser_passes(backend, monkeypatch)
+    ask = dict(model="m", messages=MESSAGES, max_tokens=2 * CANVAS, seed=21)
+    plain = sdk.chat.completions.create(**ask)
+    plain_passes = len(calls)
+    assert plain_passes >= STEPS  # the random model is never confident early: 3 a block
+    # The file's own value, asked for: the same reply from the same passes.
+    same = sdk.chat.completions.create(**ask, extra_body={"diffusion": {"max_steps": STEPS}})
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    assert len(calls) == 2 * plain_passes
+    # One step a block: one pass per block, and a different reply.
+    calls.clear()
+    one = sdk.chat.completions.create(**ask, extra_body={"diffusion": {"max_steps": 1}})
+    blocks = math.ceil(one.usage.completion_tokens / CANVAS)
+    assert len(calls) == blocks < plain_passes
+    # Temperatures: a hot schedule draws other tokens from the same seed (the second
+    # step's canvas holds the first step's draws; one step's block is its argmax alone).
+    two = sdk.chat.completions.create(**ask, extra_body={"diffusion": {"max_steps": 2}})
+    hot = sdk.chat.completions.create(
+        **ask, extra_body={"diffusion": {"t_min": 50.0, "t_max": 50.0, "max_steps": 2}})
+    assert hot.choices[0].message.content != two.choices[0].message.content
+    # Overrides last one request: the next plain one is the first reply again.
+    again = sdk.chat.completions.create(**ask)
+    assert again.choices[0].message.content == plain.choices[0].message.content
+    # The same object in the other dialects.
+    calls.clear()
+    resp = sdk.responses.create(model="m", input="Say something.", max_output_tokens=CANVAS,
+                                extra_body={"diffusion": {"max_steps": 1}})
+    assert resp.usage.output_tokens > 0 and len(calls) == 1
+    calls.clear()
+    r = client.post("/v1/messages", json={
+        "model": "m", "max_tokens": CANVAS, "messages": [{"role": "user", "content": "Hi"}],
+        "diffusion": {"max_steps": 1}})
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("diffusion", "param"), [
+    ({"max_steps": 0}, "diffusion.max_steps"),
+    ({"max_steps": 1.5}, "diffusion.max_steps"),
+    ({"max_steps": 10_000}, "diffusion.max_steps"),
+    ({"t_min": 0}, "diffusion.t_min"),
+    ({"entropy_bound": -1}, "diffusion.entropy_bound"),
+    ({"stability_threshold": True}, "diffusion.stability_threshold"),
+    ({"confidence_threshold": "high"}, "diffusion.confidence_threshold"),
+    ({"steps": 4}, "diffusion.steps"),
+    ([1, 2], "diffusion"),
+])
+def test_a_bad_diffusion_object_is_a_400_naming_the_field(
+    served: Any, diffusion: Any, param: str
+) -> None:
+    client, _, _ = served
+    r = client.post("/v1/chat/completions",
+                    json={"model": "m", "messages": MESSAGES, "diffusion": diffusion})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/messages", json={
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+        "diffusion": diffusion})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and param in body["error"]["message"], body
+
+
+def test_a_real_lmserve_process_serves_blocks_through_both_sdks(
+    diffusion_gemma: Any, tmp_path: Any
+) -> None:
+    # `lmserve FILE`: the diffusion-gemma architecture picks the gemma family's diffusion
+    # backend; the official SDKs, whole and streamed, each reply's sampler cut to 2 steps a
+    # block by the request's diffusion object.
+    import sys
+    from pathlib import Path
+
+    anthropic = pytest.importorskip("anthropic")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    from processes import API_KEY, launch
+
+    server = launch(str(diffusion_gemma.gguf), "--ctx", "256", "--threads", "2",
+                    scripted=False, log_dir=tmp_path, timeout=120)
+    fast = {"diffusion": {"max_steps": 2}}
+    try:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY,
+                           max_retries=0) as sdk:
+            ask = dict(model="m", messages=MESSAGES, max_tokens=24, seed=4, extra_body=fast)
+            whole = sdk.chat.completions.create(**ask)
+            assert 0 < whole.usage.completion_tokens <= 24
+            deltas = [c.choices[0].delta.content for c in
+                      sdk.chat.completions.create(**ask, stream=True)
+                      if c.choices and c.choices[0].delta.content]
+            assert 0 < len(deltas) <= 2  # blocks of 16: at most two for 24 tokens
+            assert "".join(deltas) == whole.choices[0].message.content
+            resp = sdk.responses.create(model="m", input="Say something.", max_output_tokens=16,
+                                        extra_body=fast)
+            assert resp.output_text and resp.usage.output_tokens <= 16
+        with anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY,
+                                 max_retries=0) as claude:
+            msg = claude.messages.create(model="m", max_tokens=16, extra_body=fast,
+                                         messages=[{"role": "user", "content": "Hi"}])
+            assert msg.stop_reason in ("end_turn", "max_tokens")
+            assert 0 < msg.usage.output_tokens <= 16
+            with claude.messages.stream(model="m", max_tokens=16, extra_body=fast,
+                                        messages=[{"role": "user", "content": "Hi"}]) as s:
+                streamed = "".join(s.text_stream)
+                final = s.get_final_message()
+            assert streamed and final.usage.output_tokens <= 16
+    finally:
+        assert server.stop() == 0
+    log = server.log_text()
+    assert "diffusion-gemma" in log, log[-2000:]

@@ -1,6 +1,7 @@
 """DiffusionGemma's two passes against transformers on the synthetic model (dgemma_synthetic.py):
 the causal pass over the prompt and over a committed block, and the denoiser over fixed
-canvases with and without self-conditioning."""
+canvases with and without self-conditioning; the conformance suite's cache checks on the
+causal pass."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from lmserve_gemma.dgemma_config import DiffusionGemmaConfig, EntropyBound
 from lmserve_gemma.dgemma_model import DiffusionGemmaModel
 
 from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.testing.conformance import CacheConformance, Subject
 from lmserve_core.testing.numerics import f32_reference_path as f32_reference_path
+from lmserve_core.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.reference
 
@@ -121,3 +124,30 @@ def test_a_block_equals_the_references_generate(model: DiffusionGemmaModel, reco
     assert block.tokens == want
     passes = round(len(canvas) / float(out.tokens_per_forward[0]))
     assert block.steps == passes, (block.steps, passes)  # the same stop decisions
+
+
+class TestDiffusionGemmaCausalPass(CacheConformance):
+    """The suite's cache checks on the causal pass, which builds the prefix that slots
+    reuse, copy and restore from the disk tier: prefill equals token-by-token passes, a batch
+    equals each sequence alone, resumed and restored caches equal cold ones. Its logits
+    against transformers are :func:`test_passes_match_transformers` (recorded); the suite's
+    greedy and served parts do not apply, as a reply is denoised a block at a time
+    (test_dgemma_backend.py serves it)."""
+
+    # a diffusion cache keeps a canvas's margin (16 rows) in its rings beside the batch
+    RESUME_BATCH = 32
+    _subjects: dict[str, Subject] = {}
+
+    @pytest.fixture
+    def subject(self, diffusion_gemma: Any) -> Subject:
+        path = str(diffusion_gemma.gguf)
+        if path not in self._subjects:
+            gguf = GGUFFile.open(path)
+            self._subjects[path] = Subject(
+                path=path,
+                load=lambda kv_type="f16", n_batch=256: DiffusionGemmaModel.load(
+                    gguf, n_threads=2, kv_type=kv_type, n_batch=n_batch),
+                hf=None,
+                tokenizer=Tokenizer.from_gguf(gguf),
+            )
+        return self._subjects[path]

@@ -4,6 +4,7 @@ lmserve_inkling.convert)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lmserve_core.gguf_file import GGUFError, GGUFFile
 from lmserve_core.kit import DecoderConfig, HParams
@@ -11,7 +12,7 @@ from lmserve_core.kit import DecoderConfig, HParams
 ARCHITECTURES = ("inkling",)
 
 
-def _decoder_fields(hp: HParams, n_layer: int, n_kv_head: int) -> dict[str, object]:
+def _decoder_fields(hp: HParams, n_layer: int, n_kv_head: int) -> dict[str, Any]:
     """The :class:`DecoderConfig` fields (``head_count_kv`` is per layer here, which the
     kit's ``decoder_hparams`` does not read), and ``n_dense``."""
     n_head = hp.integer("attention.head_count", maximum=4096)

@@ -75,6 +75,8 @@ def _resolve(hp: dict[str, Any]) -> dict[str, Any]:
 
     cfg = InklingTextConfig(**{k: v for k, v in hp.items() if k != "architectures"})
     n = cfg.num_hidden_layers
+    if cfg.layer_types is None or cfg.mlp_layer_types is None:  # transformers fills both
+        raise ConvertError("the configuration names no layer_types or mlp_layer_types")
     local = [t == "hybrid_sliding" for t in cfg.layer_types]
     mlp = list(cfg.mlp_layer_types)
     dense = next((i for i, t in enumerate(mlp) if t != "dense"), n)

@@ -10,13 +10,10 @@ the reply (text without its markers, ``NAME<|content_invoke_tool_json|>{...}`` a
 from __future__ import annotations
 
 from importlib import resources
-from pathlib import Path
-from typing import Any
 
-from lmserve_core import hookimpl
 from lmserve_core.backend import Capabilities, SamplingDefaults, ThinkMarkers
 from lmserve_core.gguf_file import GGUFFile
-from lmserve_core.kit.family import BackendSpec, Family
+from lmserve_core.kit.family import BackendSpec, Converter, Family
 from lmserve_core.model import FamilyConventions
 
 from .config import ARCHITECTURES
@@ -57,18 +54,11 @@ FAMILY = Family(
     backends=[
         BackendSpec("inkling", ARCHITECTURES, "Inkling GGUFs (Thinking Machines' text model)")
     ],
+    converters=[
+        Converter("InklingForCausalLM", "lmserve_inkling.convert:convert",
+                  "Inkling (text) to an inkling GGUF")
+    ],
 )
 create_backend = FAMILY.create_backend
 register_backends = FAMILY.register_backends
-
-
-def _convert(hf_dir: Path, out: Path, outtype: str) -> Path:
-    from .convert import convert
-
-    return convert(hf_dir, out, outtype)
-
-
-@hookimpl
-def register_converters(register: Any) -> None:
-    """``lmserve convert`` of transformers' ``InklingForCausalLM`` checkpoints."""
-    register("InklingForCausalLM", _convert, description="Inkling (text) to an inkling GGUF")
+register_converters = FAMILY.register_converters
