@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
     b.add_argument("--plugin", action="append", default=[], metavar="MODULE")
+    from .fleet import add_fleet_parser
+    from .train import add_train_arguments
+
+    add_train_arguments(b)
+    add_fleet_parser(sub)
     return parser
 
 
@@ -115,6 +120,10 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     logs.configure("warning")
     try:
+        if args.command == "fleet":
+            from .fleet import fleet_command
+
+            return fleet_command(args)
         return build_command(args)
     except UsageError as exc:
         print(f"lmserve cartridge: error: {exc}", file=sys.stderr)
