@@ -41,7 +41,7 @@ def install_project(session: nox.Session, *, reference: bool = False) -> None:
     if reference:
         session.install(REFERENCE[0])  # first, alone: nothing may pull another torch build
         session.install(*REFERENCE[1:])
-    session.install("--no-build-isolation", "-e", ".[test,grammar]")
+    session.install("--no-build-isolation", "-e", ".[test,grammar,ray]")
     session.install("--no-deps", *TEST_NO_DEPS)
     for plugin in PLUGINS:
         session.install("--no-build-isolation", "-e", plugin)

@@ -11,7 +11,9 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -375,12 +377,24 @@ def _gguf_architecture(path: str) -> str:
         raise UsageError(str(exc)) from exc
 
 
-def serve(args: argparse.Namespace) -> int:
+@dataclass(slots=True)
+class Built:
+    """What :func:`build` makes of the command line: the backend, its engine and the app."""
+
+    spec: BackendSpec
+    model: str | None
+    backend: Any
+    engine: Any  # lmserve_core.engine.Engine
+    server: Any  # lmserve_core.server.Server
+    app: Any  # litestar.Litestar
+
+
+def build(args: argparse.Namespace) -> Built:
+    """Load the model and build the engine and the application the arguments describe:
+    what ``lmserve`` serves, and what each replica of ``lmserve cluster`` serves."""
     import gc
 
-    import uvicorn
-
-    from . import banner, memory
+    from . import memory
     from .app import create_app
     from .engine import Engine
     from .native import kernels
@@ -443,6 +457,20 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(
         server, max_body=int(args.max_body_mb * 1024 * 1024), cors_origins=origins,
         webui=args.webui,
+    )
+    return Built(spec, model, backend, engine, server, app)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import gc
+
+    import uvicorn
+
+    from . import banner
+
+    built = build(args)
+    spec, model, backend, engine, app = (
+        built.spec, built.model, built.backend, built.engine, built.app
     )
     config = uvicorn.Config(
         app,
@@ -614,6 +642,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return list_plugins_command()
     if argv[:1] == ["convert"]:
         return convert_command(argv[1:])
+    if argv[:1] == ["cluster"]:
+        try:
+            from .cluster.command import cluster_command
+        except ImportError as exc:  # Ray is an optional extra
+            print(f"lmserve cluster: error: {exc}; install it with "
+                  "`pip install lmserve-core[ray]`", file=sys.stderr)
+            return 2
+        return cluster_command(argv[1:])
     if argv[:1] == ["cartridge"]:
         from .cartridge.cli import main as cartridge_main
 

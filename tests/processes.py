@@ -82,11 +82,13 @@ def on_terminal(
 def launch(
     *args: str, env: dict[str, str] | None = None, api_key: str | None = API_KEY,
     log_dir: Path, scripted: bool = True, timeout: float = 60, terminal: bool = False,
+    subcommand: tuple[str, ...] = (),
 ) -> RunningServer:
-    """Start ``lmserve`` and wait until /health answers. Its output goes to a file, or
-    with ``terminal`` to a pseudo-terminal (copied into the file)."""
+    """Start ``lmserve`` (``lmserve SUBCOMMAND...`` with ``subcommand``) and wait until
+    /health answers. Its output goes to a file, or with ``terminal`` to a pseudo-terminal
+    (copied into the file)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "lmserve_core", "--port", str(port)]
+    cmd = [sys.executable, "-m", "lmserve_core", *subcommand, "--port", str(port)]
     if scripted:
         cmd += ["--plugin", "fake_backend", "--backend", "scripted"]
     if api_key:

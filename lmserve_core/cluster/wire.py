@@ -1,0 +1,185 @@
+"""What the cluster's ingress decides from the bytes it relays: a request's routing key, the
+dialect's error for a refusal or for a stream cut short, and the replicas' metrics merged.
+No Ray here: this module is imported (and tested) without it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..dialects.common import json_text, sse_data, sse_event
+from ..metrics import CONTENT_TYPE as METRICS_TYPE
+from ..wire_errors import anthropic_error, error_body, is_anthropic_path, openai_error
+
+# A client may name its conversation itself; the ingress then routes on that name.
+SESSION_HEADER = "x-session-id"
+# Routing of one request: "prefix" (the default) or "round-robin" (no affinity; what the
+# affinity is measured against).
+ROUTING_HEADER = "x-lmserve-routing"
+ROUTINGS = ("prefix", "round-robin")
+# How much of a prompt or first message decides where a conversation goes.
+KEY_CHARS = 1024
+
+
+_T = TypeVar("_T")
+
+__all__ = ["METRICS_TYPE", "StreamWatch", "error_response", "merge_metrics", "rank_by_key",
+           "routing_key"]
+
+
+def json_bytes(value: Any) -> bytes:
+    return json_text(value).encode()
+
+
+def _leading_messages(messages: Any) -> list[Any]:
+    """The messages up to and including the first user message: what every later turn of
+    the conversation starts with."""
+    if not isinstance(messages, list):
+        return []
+    out = []
+    for message in messages:
+        out.append(message)
+        if isinstance(message, dict) and message.get("role") == "user":
+            break
+    return out
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def routing_key(path: str, body: bytes, headers: Mapping[str, str]) -> str | None:
+    """The key of the conversation a request continues: its ``x-session-id`` when it sends
+    one, else a digest of the model, the system prompt and the first user message (chat,
+    messages), the instructions and the first input item (responses), or the prompt's
+    first ``KEY_CHARS`` characters (completions). None: nothing to keep together."""
+    session = headers.get(SESSION_HEADER)
+    if session:
+        return "session:" + session
+    if not body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    key: list[Any] = [data.get("model")]
+    route = path.rstrip("/")
+    if route.endswith("/chat/completions"):
+        key.append(_leading_messages(data.get("messages")))
+    elif is_anthropic_path(route):
+        key += [data.get("system"), _leading_messages(data.get("messages"))]
+    elif route.endswith("/responses"):
+        items = data.get("input")
+        first = items[:KEY_CHARS] if isinstance(items, str) else _leading_messages(items)
+        key += [data.get("instructions"), first]
+    elif route.endswith("/completions"):
+        prompt = data.get("prompt")
+        key.append(_text(prompt)[:KEY_CHARS] if prompt is not None else None)
+    else:
+        return None
+    return hashlib.blake2b(_text(key).encode(), digest_size=12).hexdigest()
+
+
+def rank_by_key(key: str, items: list[_T], name: Callable[[_T], str]) -> list[_T]:
+    """``items`` (replicas, known by ``name``) from the one ``key`` belongs to down:
+    rendezvous hashing, so a replica that leaves or joins moves only the keys it held or
+    takes, and every router ranks alike without sharing any state."""
+    def weight(item: _T) -> bytes:
+        return hashlib.blake2b(f"{key}\0{name(item)}".encode(), digest_size=8).digest()
+
+    return sorted(items, key=weight, reverse=True)
+
+
+def error_response(
+    path: str, headers: Mapping[str, str], status: int, message: str, *, retry_after: int = 1
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of a refusal in the envelope of the path's API (429 carries
+    ``retry-after``)."""
+    body = error_body(path, status, message, anthropic_client="anthropic-version" in headers)
+    out = {"content-type": "application/json"}
+    if status == 429:
+        out["retry-after"] = str(retry_after)
+    return json.dumps(body).encode(), out
+
+
+def is_event_stream(headers: Iterable[tuple[str, str]]) -> bool:
+    return any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
+
+
+class StreamWatch:
+    """Follows a relayed event stream just enough to end it in its dialect when the replica
+    serving it is lost: the Responses API's ``response.created`` object and frame count."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path.rstrip("/")
+        self.responses = self.path.endswith("/responses")
+        self.response: dict[str, Any] | None = None
+        self.frames = 0
+        self._head = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.responses:
+            return
+        self.frames += chunk.count(b"\n\n")
+        if self.response is None and len(self._head) < 65536:
+            self._head += chunk
+            end = self._head.find(b"\n\n")
+            if end >= 0:
+                for line in self._head[:end].split(b"\n"):
+                    if line.startswith(b"data: "):
+                        try:
+                            self.response = json.loads(line[6:]).get("response")
+                        except (ValueError, AttributeError):
+                            self.response = {}
+                self._head = b""
+
+    def error_frames(self, status: int, message: str) -> bytes:
+        """The in-band error of a started stream, as the dialect's own encoder sends one."""
+        if is_anthropic_path(self.path):
+            return sse_event("error", anthropic_error(status, message))
+        if self.responses:
+            code = "server_error"
+            response = dict(self.response or {})
+            response.update(status="failed", error={"code": code, "message": message})
+            seq = self.frames
+            return sse_event(
+                "error",
+                {"type": "error", "sequence_number": seq, "code": code, "message": message,
+                 "param": None},
+            ) + sse_event(
+                "response.failed",
+                {"type": "response.failed", "sequence_number": seq + 1, "response": response},
+            )
+        return sse_data(openai_error(status, message))
+
+
+def merge_metrics(texts: Mapping[str, str]) -> bytes:
+    """The replicas' Prometheus texts as one, every sample labelled ``replica``."""
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            for sample in family.samples:
+                merged.samples.append(
+                    sample._replace(labels={**sample.labels, "replica": replica})
+                )
+
+    class _Merged:
+        def collect(self) -> Iterator[Metric]:
+            return iter(families.values())
+
+    registry = CollectorRegistry()
+    registry.register(_Merged())  # type: ignore[arg-type]
+    return generate_latest(registry)
