@@ -190,6 +190,8 @@ class GGUFChatBackend:
         self.fleet: FleetRouter | None = None
         fleet = settings.extra.get("fleet")
         if fleet is not None:
+            if cartridge or settings.extra.get("kv_cache_dir"):
+                raise ValueError("a fleet is served without --cartridge and --kv-cache-dir")
             self.fleet = FleetRouter(fleet, model, self.tokenizer, what=self.model_id,
                                      **settings.extra.get("rag", {}))
             self.model = model = self.fleet.wrap(model)
