@@ -150,3 +150,21 @@ def test_bad_options(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         R.FleetRouter(fleet, Model(), Tokens(), docs=0)
     assert R.FleetRouter(fleet, Model(), Tokens(), docs=9).k == len(TOPICS)
+
+
+def test_a_backend_that_serves_no_prefix_refuses_a_fleet(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    make_fleet(tmp_path)
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([tests, *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-m", "lmserve_core", "--plugin", "fake_backend", "--backend",
+         "scripted", "--fleet", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert done.returncode == 2
+    assert "--fleet: the scripted backend does not serve cartridges" in done.stderr
