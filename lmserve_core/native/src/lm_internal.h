@@ -391,6 +391,11 @@ typedef void (*lm_dotq_r16_fn)(const void *w, int64_t ng, const lm_xq *x, int64_
 /* Row n (0..15) of the column group at w (its columns of cols elements) decoded into
  * dst[0..cols); any run of a group's columns is a group of fewer columns. */
 typedef void (*lm_deq_r16_fn)(const void *w, int64_t cols, int n, float *dst);
+/* The 16 rows of the column group at w (cols elements each) into a k-major panel: element k
+ * of row n at a[k * lda + n], with deq_r16's values. */
+typedef void (*lm_panel_r16_fn)(const void *w, int64_t cols, float *a, int64_t lda);
+/* The mr rows of tile (row i at tile + i * cols) into the k-major panel a[k * mr + i]. */
+typedef void (*lm_panel_fn)(const float *tile, int64_t cols, float *a);
 /* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */
 typedef void (*lm_gemm_fn)(const float *a, const float *b, int64_t k, float *c);
 
@@ -404,6 +409,8 @@ typedef struct {
     lm_dotq_fn dotq[LM_NTYPES]; /* NULL: the type has no integer path (f32 products) */
     lm_dotq_r16_fn dotq_r16[LM_NTYPES]; /* by interleaved type (lm_r16_type) */
     lm_deq_r16_fn deq_r16[LM_NTYPES];
+    lm_panel_r16_fn panel_r16[LM_NTYPES]; /* NULL: rows through deq_r16, then transposed */
+    lm_panel_fn panel; /* NULL: the portable transposition */
     int r16_tokens;  /* most tokens per dotq_r16 call */
     int r16_fast;    /* 1: these kernels read the interleaved layouts faster than GGML's */
     lm_gemm_fn gemm;

@@ -166,12 +166,27 @@ static void mm_pack_x_task(void *arg, int task, int n_tasks, int thread) {
 }
 
 /* Decode weight rows r0 .. r0+nrows into the k-major panel a[k * mr + i] (rows past nrows
- * are zero). Rows are decoded row-major into `tile` first, then transposed in column
- * chunks small enough that the panel lines being written stay in L1. */
+ * are zero). An interleaved matrix's groups of 16 rows go straight into the panel where the
+ * ISA has a kernel for it; other rows are decoded row-major into `tile` first, then
+ * transposed (in column chunks small enough that the panel lines being written stay in L1,
+ * when the ISA has no transposition of its own). */
 static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float *a) {
     const lm_kernels *k = c->k;
     const int mr = k->mr;
     const int64_t K = c->cols;
+    if (lm_r16_base(c->type) >= 0 && k->panel_r16[c->type] != NULL && mr % R16 == 0 &&
+        K % QK == 0) {
+        for (int g = 0; g < nrows / R16; g++) {
+            k->panel_r16[c->type](c->w + (r0 / R16 + g) * R16 * c->row_bytes, K, a + g * R16,
+                                  mr);
+        }
+        if (nrows < mr) {
+            for (int64_t kk = 0; kk < K; kk++) {
+                memset(a + kk * mr + nrows, 0, (size_t)(mr - nrows) * sizeof(float));
+            }
+        }
+        return;
+    }
     for (int i = 0; i < nrows; i++) {
         const int64_t r = r0 + i;
         if (lm_r16_base(c->type) >= 0) {
@@ -183,6 +198,10 @@ static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float
     }
     if (nrows < mr) {
         memset(tile + (int64_t)nrows * K, 0, (size_t)(mr - nrows) * (size_t)K * sizeof(float));
+    }
+    if (k->panel != NULL) {
+        k->panel(tile, K, a);
+        return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
         const int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
