@@ -490,10 +490,17 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
                 mx = sv > mx ? sv : mx;
             }
             const float inv = 1.0f / k->exp_sum(srow + a, b - a + 1, mx);
+            if (k->pack_nr != NULL) { /* the row in place, transposed below with the others */
+                memset(srow, 0, (size_t)a * sizeof(float));
+                k->scale_f32(srow + a, inv, b - a + 1);
+                memset(srow + b + 1, 0, (size_t)(span - b - 1) * sizeof(float));
+                continue;
+            }
             for (int64_t i = 0; i < span; i++) {
                 pt[i * nr + j] = i >= a && i <= b ? srow[i] * inv : 0.0f;
             }
         }
+        if (k->pack_nr != NULL) k->pack_nr(sbuf, span_max, nr, span, pt);
         /* O = P V, one head_dim chunk of mr at a time */
         for (int ch = 0; ch < c->n_chunks; ch++) {
             const float *vp = c->vpack + (int64_t)ch * c->n_kp * mr * mr;

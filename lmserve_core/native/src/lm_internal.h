@@ -411,6 +411,9 @@ typedef struct {
     lm_deq_r16_fn deq_r16[LM_NTYPES];
     lm_panel_r16_fn panel_r16[LM_NTYPES]; /* NULL: rows through deq_r16, then transposed */
     lm_panel_fn panel; /* NULL: the portable transposition */
+    /* dst[i * nr + j] = src[j * ld + i] for i < n and j < rows, 0 for rows <= j < nr: rows
+     * (at most nr) of n values into the GEMM's token panel; NULL: the callers' loops */
+    void (*pack_nr)(const float *src, int64_t ld, int rows, int64_t n, float *dst);
     int r16_tokens;  /* most tokens per dotq_r16 call */
     int r16_fast;    /* 1: these kernels read the interleaved layouts faster than GGML's */
     lm_gemm_fn gemm;

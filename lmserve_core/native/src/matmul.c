@@ -149,6 +149,11 @@ static void mm_pack_x_task(void *arg, int task, int n_tasks, int thread) {
     split(npanels, task, n_tasks, &p0, &p1);
     for (int64_t p = p0; p < p1; p++) {
         float *dst = c->xpack + p * K * nr;
+        if (c->k->pack_nr != NULL) {
+            const int64_t left = c->ntok - p * nr;
+            c->k->pack_nr(c->x + p * nr * K, K, (int)(left < nr ? left : nr), K, dst);
+            continue;
+        }
         for (int t = 0; t < nr; t++) {
             int64_t tok = p * nr + t;
             if (tok < c->ntok) {

@@ -712,6 +712,22 @@ T512 static void z_panel_32(const float *tile, int64_t cols, float *a) {
         for (int i = 0; i < Z_MR; i++) a[k * Z_MR + i] = tile[i * cols + k];
 }
 
+/* Up to Z_NR rows of n values into a token panel, dst[i * Z_NR + j] = src[j * ld + i] (rows
+ * past `rows` zero): 16 columns at a time through the 16 x 16 transposition. */
+T512 static void z_pack_nr(const float *src, int64_t ld, int rows, int64_t n, float *dst) {
+    const int64_t whole = n & ~(int64_t)15;
+    for (int64_t i0 = 0; i0 < whole; i0 += 16) {
+        __m512 r[16];
+        for (int j = 0; j < 16; j++)
+            r[j] = j < rows ? _mm512_loadu_ps(src + j * ld + i0) : _mm512_setzero_ps();
+        z_transpose16(r);
+        for (int i = 0; i < 16; i++)
+            _mm512_mask_storeu_ps(dst + (i0 + i) * Z_NR, (__mmask16)((1u << Z_NR) - 1), r[i]);
+    }
+    for (int64_t i = whole; i < n; i++)
+        for (int j = 0; j < Z_NR; j++) dst[i * Z_NR + j] = j < rows ? src[j * ld + i] : 0.0f;
+}
+
 /* ------------------------------------------------------------------ int16 products, VNNI
  * Four groups of 32 at once. x's quads (lm_quads_x16_fn) and the weights of four blocks put
  * elements 8k..8k+7 of group j in the 128-bit lane j of vector k, so that four dpwssd (the
@@ -991,6 +1007,7 @@ void lm_kernels_avx512(lm_kernels *k) {
 #undef SET_ELEM
     k->gemm = z_gemm_32x12;
     k->panel = z_panel_32;
+    k->pack_nr = z_pack_nr;
     k->mr = Z_MR;
     k->nr = Z_NR;
     k->dot_f32 = z_vdot_f32;
