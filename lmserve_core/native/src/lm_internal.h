@@ -475,6 +475,9 @@ const lm_kernels *lm_kernels_active(void);
 /* Below this many tokens the fused per-row dot products (each block decoded once for up to
  * 8 tokens) beat decode + pack + GEMM. */
 #define LM_GEMM_MIN_TOKENS 32
+/* Products of at least LM_GEMM_MIN_TOKENS tokens (1 to 4 of them) sharing one input x and
+ * its columns, in one packing of x and one dispatch (matmul.c). */
+int lm_matmul_group(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok);
 _Static_assert(LM_DECODE_MAX_ROWS < LM_GEMM_MIN_TOKENS,
                "decode's rows must stay on the few-token products");
 
