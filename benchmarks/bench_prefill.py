@@ -75,15 +75,16 @@ def llama_cmd(binary: str, path: Path, port: int, threads: int) -> list[str]:
 
 
 def prompt_text(tokens: int, tag: str) -> str:
-    """About ``tokens`` tokens of plain English (4 characters a token, roughly), led by a
-    line no other request has: no server can have read its beginning before."""
+    """About ``tokens`` tokens of plain English with numbers (3 characters a token, roughly,
+    on these vocabularies), led by a line no other request has: no server can have read its
+    beginning before."""
     parts = [f"Request {tag}:"]
     i = 0
-    while sum(len(p) + 1 for p in parts) < tokens * 4:
+    while sum(len(p) + 1 for p in parts) < tokens * 3:
         topic = TOPICS[i % len(TOPICS)]
         parts.append(f"Note {i}: a few words about {topic}, item {i * 7 % 101}.")
         i += 1
-    return " ".join(parts)
+    return " ".join(parts)[: max(tokens * 3, len(parts[0]))]
 
 
 def complete(url: str, prompt: str, llama: bool) -> tuple[float, int]:
@@ -218,6 +219,12 @@ def main() -> None:
                 for n in lengths}
         records.append(record)
         print_model(report, record, lengths, peaks)
+    # timed again at the end, the best of both kept: on a busy machine a single timing is low
+    again = kernel_peaks(args.threads)
+    peaks = {key: max(value, again[key]) for key, value in peaks.items()}
+    report.print(f"\nkernel peaks at the end: float32 GEMM {again['f32_gemm']:.1f} GFLOP/s, "
+                 f"integer products {again['int_products']:.1f} GOP/s; the shares above are "
+                 "of the start's")
     report.finish(lengths=lengths, rounds=args.rounds, peaks=peaks, runs=records)
 
 
