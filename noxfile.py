@@ -1,5 +1,5 @@
 """Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``,
-``bench-serve``, ``fuzz``, ``wheels``."""
+``bench-serve``, ``bench-prefill``, ``fuzz``, ``wheels``."""
 
 from __future__ import annotations
 
@@ -110,6 +110,18 @@ def bench_serve(session: nox.Session) -> None:
     install_project(session)
     session.install(*BENCH)
     session.run("python", "benchmarks/bench_serve.py", *session.posargs)
+
+
+@nox.session(python="3.11", name="bench-prefill")
+def bench_prefill(session: nox.Session) -> None:
+    """Served prefill side by side: fresh prompts of ~30, ~500 and ~2,000 tokens, one token of
+    reply, against llama.cpp's llama-server (`-- --llama-server PATH`) and ik_llama.cpp's
+    (`-- --ik-server PATH`) on the same GGUF files; prompt tok/s, time to first token, ratios
+    and the fraction of the kernels' measured peak. The records and tables go to
+    bench-results/ (`-- --out DIR`)."""
+    install_project(session)
+    session.install(*BENCH)
+    session.run("python", "benchmarks/bench_prefill.py", *session.posargs)
 
 
 @nox.session(python="3.11")

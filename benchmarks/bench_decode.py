@@ -15,13 +15,14 @@ Models:
   output matrix is most of the work.
 - ``qwen3-0.6b``: random weights with Qwen3-0.6B's geometry (28 layers, hidden 1024, 16/8
   heads, head_dim 128, ffn 3072, vocab 151936, tied), Q8_0.
+- ``qwen3-0.6b-q4_k_m``: the same geometry in llama.cpp's Q4_K_M mix.
 - ``qwen3moe-1b``: a Qwen3-MoE of 1.2B parameters (10 layers, hidden 1024, 64 experts of
   width 512, top-8), Q8_0.
 - ``qwen35-0.8b``: random weights with Qwen3.5-0.8B's geometry (24 layers of 1024, 18 gated
   DeltaNet and 6 gated attention layers, vocab 248320, tied), Q8_0, converted by llama.cpp's
   own converter (``plugins/lmserve-qwen35/tests/synthetic.py``).
 
-The two synthetic files are written once by ``plugins/lmserve-qwen3/tests/synthetic.py`` and
+The synthetic files are written once by ``plugins/lmserve-qwen3/tests/synthetic.py`` and
 cached. The engines alternate round by round so both see the same machine noise; the CPU
 model is printed with the figures, because ratios move between machines. Each figure is
 the median of ``--reps`` repetitions (llama-bench: their mean); the summary gives the median
@@ -52,7 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import Report, add_output_options, cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYNTHETIC = {"qwen3-0.6b": ("qwen3", "0.6b"), "qwen3moe-1b": ("qwen3moe", "moe-1b")}
+SYNTHETIC = {
+    "qwen3-0.6b": ("qwen3", "0.6b", "q8_0"),
+    "qwen3-0.6b-q4_k_m": ("qwen3", "0.6b", "q4_k_m"),
+    "qwen3moe-1b": ("qwen3moe", "moe-1b", "q8_0"),
+}
 SYNTHETIC_QWEN35 = {"qwen35-0.8b": ("qwen35", "0.8b")}
 
 
@@ -83,8 +88,8 @@ def model_path(name: str) -> Path:
         sys.path.insert(0, str(ROOT / "plugins" / "lmserve-qwen3" / "tests"))
         from synthetic import synthetic_model
 
-        kind, size = SYNTHETIC[name]
-        return Path(synthetic_model(kind, "q8_0", size)[0])
+        kind, size, type_name = SYNTHETIC[name]
+        return Path(synthetic_model(kind, type_name, size)[0])
     path = Path(name)
     if not path.is_file():
         raise SystemExit(

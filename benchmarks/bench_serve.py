@@ -79,10 +79,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], port: int, log: Path) -> Iterator[str]:
-    """Run a server until /health answers; yield its base URL; stop it."""
+def serving(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None
+            ) -> Iterator[str]:
+    """Run a server (in ``env``, else this process's environment) until /health answers;
+    yield its base URL; stop it."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

@@ -353,6 +353,25 @@ static void attn_merge_task(void *arg, int task, int n_tasks, int thread) {
 }
 
 /* ------------------------------------------------------------------ tiled path */
+/* Key panels up to this head size are built from rows converted on the stack. */
+#define ATTN_PACK_ROWS_HD 256
+
+/* Row `key` of the kv head's keys or values (base) as floats into dst[0..hd), zero when the
+ * key is not live. */
+static void pack_row(const attn_ctx *c, const uint8_t *base, int64_t key, float *dst) {
+    const int hd = c->head_dim;
+    if (key < c->first || key >= c->n_ctx) {
+        memset(dst, 0, (size_t)hd * sizeof(float));
+        return;
+    }
+    const int64_t src = key_row(c, key) * c->kv_stride + (int64_t)c->h * hd;
+    if (c->kv_type == LM_F16) {
+        c->k->f16_to_f32((const uint16_t *)base + src, dst, hd);
+    } else {
+        memcpy(dst, (const float *)base + src, (size_t)hd * sizeof(float));
+    }
+}
+
 static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
     (void)thread;
     const attn_ctx *c = arg;
@@ -360,6 +379,26 @@ static void attn_pack_task(void *arg, int task, int n_tasks, int thread) {
     const int64_t kv_stride = c->kv_stride;
     const int h = c->h;
     const int64_t i0 = c->n_kp * task / n_tasks, i1 = c->n_kp * (task + 1) / n_tasks;
+    if (c->k->panel != NULL && hd <= ATTN_PACK_ROWS_HD && mr <= 32) {
+        /* whole rows converted at once; the keys transposed by the ISA's panel kernel, the
+         * values copied in chunks of mr */
+        float rows[32 * ATTN_PACK_ROWS_HD];
+        for (int64_t kp = i0; kp < i1; kp++) {
+            const int64_t key0 = c->key0 + kp * mr;
+            for (int r = 0; r < mr; r++) pack_row(c, c->kc, key0 + r, rows + (int64_t)r * hd);
+            c->k->panel(rows, hd, c->kpack + kp * (int64_t)hd * mr);
+            for (int r = 0; r < mr; r++) pack_row(c, c->vc, key0 + r, rows + (int64_t)r * hd);
+            for (int ch = 0; ch < c->n_chunks; ch++) {
+                float *vd = c->vpack + (int64_t)ch * c->n_kp * mr * mr + kp * mr * mr;
+                const int w = hd - ch * mr < mr ? hd - ch * mr : mr;
+                for (int r = 0; r < mr; r++) {
+                    memcpy(vd + r * mr, rows + (int64_t)r * hd + ch * mr, (size_t)w * sizeof(float));
+                    if (w < mr) memset(vd + r * mr + w, 0, (size_t)(mr - w) * sizeof(float));
+                }
+            }
+        }
+        return;
+    }
     for (int64_t kp = i0; kp < i1; kp++) {
         float *kd = c->kpack + kp * (int64_t)hd * mr;
         for (int r = 0; r < mr; r++) {
@@ -451,10 +490,17 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
                 mx = sv > mx ? sv : mx;
             }
             const float inv = 1.0f / k->exp_sum(srow + a, b - a + 1, mx);
+            if (k->pack_nr != NULL) { /* the row in place, transposed below with the others */
+                memset(srow, 0, (size_t)a * sizeof(float));
+                k->scale_f32(srow + a, inv, b - a + 1);
+                memset(srow + b + 1, 0, (size_t)(span - b - 1) * sizeof(float));
+                continue;
+            }
             for (int64_t i = 0; i < span; i++) {
                 pt[i * nr + j] = i >= a && i <= b ? srow[i] * inv : 0.0f;
             }
         }
+        if (k->pack_nr != NULL) k->pack_nr(sbuf, span_max, nr, span, pt);
         /* O = P V, one head_dim chunk of mr at a time */
         for (int ch = 0; ch < c->n_chunks; ch++) {
             const float *vp = c->vpack + (int64_t)ch * c->n_kp * mr * mr;

@@ -213,6 +213,10 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
     }
     if (total == 0 || ntok == 0) return LM_OK;
     if (ntok >= LM_GEMM_MIN_TOKENS) {
+        int shared = n <= 4;
+        for (int i = 1; i < n; i++) shared &= mms[i].x == mms[0].x && mms[i].cols == mms[0].cols;
+        for (int i = 0; i < n; i++) shared &= mms[i].rows > 0 && mms[i].cols > 0;
+        if (shared) return lm_matmul_group(pool, mms, n, ntok);
         for (int i = 0; i < n; i++) {
             const lm_mm *m = &mms[i];
             LM_TRY(lm_matmul(pool, m->w.type, m->w.data, m->rows, m->cols, m->x, ntok,

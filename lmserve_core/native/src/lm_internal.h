@@ -391,6 +391,11 @@ typedef void (*lm_dotq_r16_fn)(const void *w, int64_t ng, const lm_xq *x, int64_
 /* Row n (0..15) of the column group at w (its columns of cols elements) decoded into
  * dst[0..cols); any run of a group's columns is a group of fewer columns. */
 typedef void (*lm_deq_r16_fn)(const void *w, int64_t cols, int n, float *dst);
+/* The 16 rows of the column group at w (cols elements each) into a k-major panel: element k
+ * of row n at a[k * lda + n], with deq_r16's values. */
+typedef void (*lm_panel_r16_fn)(const void *w, int64_t cols, float *a, int64_t lda);
+/* The mr rows of tile (row i at tile + i * cols) into the k-major panel a[k * mr + i]. */
+typedef void (*lm_panel_fn)(const float *tile, int64_t cols, float *a);
 /* c[t * mr + r] = sum_k a[k * mr + r] * b[k * nr + t] for the ISA's (mr, nr) tile. */
 typedef void (*lm_gemm_fn)(const float *a, const float *b, int64_t k, float *c);
 
@@ -404,6 +409,11 @@ typedef struct {
     lm_dotq_fn dotq[LM_NTYPES]; /* NULL: the type has no integer path (f32 products) */
     lm_dotq_r16_fn dotq_r16[LM_NTYPES]; /* by interleaved type (lm_r16_type) */
     lm_deq_r16_fn deq_r16[LM_NTYPES];
+    lm_panel_r16_fn panel_r16[LM_NTYPES]; /* NULL: rows through deq_r16, then transposed */
+    lm_panel_fn panel; /* NULL: the portable transposition */
+    /* dst[i * nr + j] = src[j * ld + i] for i < n and j < rows, 0 for rows <= j < nr: rows
+     * (at most nr) of n values into the GEMM's token panel; NULL: the callers' loops */
+    void (*pack_nr)(const float *src, int64_t ld, int rows, int64_t n, float *dst);
     int r16_tokens;  /* most tokens per dotq_r16 call */
     int r16_fast;    /* 1: these kernels read the interleaved layouts faster than GGML's */
     lm_gemm_fn gemm;
@@ -465,6 +475,9 @@ const lm_kernels *lm_kernels_active(void);
 /* Below this many tokens the fused per-row dot products (each block decoded once for up to
  * 8 tokens) beat decode + pack + GEMM. */
 #define LM_GEMM_MIN_TOKENS 32
+/* Products of at least LM_GEMM_MIN_TOKENS tokens (1 to 4 of them) sharing one input x and
+ * its columns, in one packing of x and one dispatch (matmul.c). */
+int lm_matmul_group(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok);
 _Static_assert(LM_DECODE_MAX_ROWS < LM_GEMM_MIN_TOKENS,
                "decode's rows must stay on the few-token products");
 

@@ -149,6 +149,11 @@ static void mm_pack_x_task(void *arg, int task, int n_tasks, int thread) {
     split(npanels, task, n_tasks, &p0, &p1);
     for (int64_t p = p0; p < p1; p++) {
         float *dst = c->xpack + p * K * nr;
+        if (c->k->pack_nr != NULL) {
+            const int64_t left = c->ntok - p * nr;
+            c->k->pack_nr(c->x + p * nr * K, K, (int)(left < nr ? left : nr), K, dst);
+            continue;
+        }
         for (int t = 0; t < nr; t++) {
             int64_t tok = p * nr + t;
             if (tok < c->ntok) {
@@ -166,12 +171,27 @@ static void mm_pack_x_task(void *arg, int task, int n_tasks, int thread) {
 }
 
 /* Decode weight rows r0 .. r0+nrows into the k-major panel a[k * mr + i] (rows past nrows
- * are zero). Rows are decoded row-major into `tile` first, then transposed in column
- * chunks small enough that the panel lines being written stay in L1. */
+ * are zero). An interleaved matrix's groups of 16 rows go straight into the panel where the
+ * ISA has a kernel for it; other rows are decoded row-major into `tile` first, then
+ * transposed (in column chunks small enough that the panel lines being written stay in L1,
+ * when the ISA has no transposition of its own). */
 static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float *a) {
     const lm_kernels *k = c->k;
     const int mr = k->mr;
     const int64_t K = c->cols;
+    if (lm_r16_base(c->type) >= 0 && k->panel_r16[c->type] != NULL && mr % R16 == 0 &&
+        K % QK == 0) {
+        for (int g = 0; g < nrows / R16; g++) {
+            k->panel_r16[c->type](c->w + (r0 / R16 + g) * R16 * c->row_bytes, K, a + g * R16,
+                                  mr);
+        }
+        if (nrows < mr) {
+            for (int64_t kk = 0; kk < K; kk++) {
+                memset(a + kk * mr + nrows, 0, (size_t)(mr - nrows) * sizeof(float));
+            }
+        }
+        return;
+    }
     for (int i = 0; i < nrows; i++) {
         const int64_t r = r0 + i;
         if (lm_r16_base(c->type) >= 0) {
@@ -184,6 +204,10 @@ static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float
     if (nrows < mr) {
         memset(tile + (int64_t)nrows * K, 0, (size_t)(mr - nrows) * (size_t)K * sizeof(float));
     }
+    if (k->panel != NULL) {
+        k->panel(tile, K, a);
+        return;
+    }
     for (int64_t k0 = 0; k0 < K; k0 += 64) {
         const int64_t k1 = k0 + 64 < K ? k0 + 64 : K;
         for (int i = 0; i < mr; i++) {
@@ -195,32 +219,53 @@ static void mm_pack_a(const mm_ctx *c, int64_t r0, int nrows, float *tile, float
     }
 }
 
-static void mm_gemm_task(void *arg, int task, int n_tasks, int thread) {
-    const mm_ctx *c = arg;
+/* Row panel rp of a product: its weights decoded once, then every token panel. */
+static void mm_gemm_panel(const mm_ctx *c, int64_t rp, int thread) {
     const lm_kernels *k = c->k;
     const int mr = k->mr, nr = k->nr;
     const int64_t K = c->cols;
     float *apanel = (float *)(c->scratch + (size_t)thread * c->per_thread);
     float *tile = apanel + (size_t)mr * K;
     float *cbuf = tile + (size_t)mr * K; /* nr x mr tile */
-    const int64_t nrp = (c->rows + mr - 1) / mr;
     const int64_t ntp = (c->ntok + nr - 1) / nr;
+    const int64_t r0 = rp * mr;
+    const int nrows = (int)(c->rows - r0 < mr ? c->rows - r0 : mr);
+    mm_pack_a(c, r0, nrows, tile, apanel);
+    for (int64_t tp = 0; tp < ntp; tp++) {
+        k->gemm(apanel, c->xpack + tp * K * nr, K, cbuf);
+        const int64_t t0 = tp * nr;
+        const int ntk = (int)(c->ntok - t0 < nr ? c->ntok - t0 : nr);
+        for (int t = 0; t < ntk; t++) {
+            memcpy(c->y + (t0 + t) * c->rows + r0, cbuf + t * mr, (size_t)nrows * sizeof(float));
+        }
+    }
+}
+
+static void mm_gemm_task(void *arg, int task, int n_tasks, int thread) {
+    const mm_ctx *c = arg;
+    const int64_t nrp = (c->rows + c->k->mr - 1) / c->k->mr;
     int64_t p0, p1;
     split(nrp, task, n_tasks, &p0, &p1);
     for (int64_t rp = p0; rp < p1; rp++) {
-        const int64_t r0 = rp * mr;
-        const int nrows = (int)(c->rows - r0 < mr ? c->rows - r0 : mr);
-        mm_pack_a(c, r0, nrows, tile, apanel);
-        for (int64_t tp = 0; tp < ntp; tp++) {
-            k->gemm(apanel, c->xpack + tp * K * nr, K, cbuf);
-            const int64_t t0 = tp * nr;
-            const int ntk = (int)(c->ntok - t0 < nr ? c->ntok - t0 : nr);
-            for (int t = 0; t < ntk; t++) {
-                memcpy(c->y + (t0 + t) * c->rows + r0, cbuf + t * mr,
-                       (size_t)nrows * sizeof(float));
-            }
-        }
+        mm_gemm_panel(c, rp, thread);
     }
+}
+
+/* Several products of one input: task t is row panel t of their concatenated panels. */
+typedef struct {
+    const mm_ctx *cs;
+    int n;
+    const int64_t *first; /* first[i]: the first panel of product i; first[n]: all of them */
+} mm_group;
+
+static void mm_group_task(void *arg, int task, int n_tasks, int thread) {
+    (void)n_tasks;
+    const mm_group *g = arg;
+    int i = 0;
+    while (task >= g->first[i + 1]) {
+        i++;
+    }
+    mm_gemm_panel(&g->cs[i], task - g->first[i], thread);
 }
 
 static size_t align64(size_t n) {
@@ -310,3 +355,67 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     return LM_OK;
 }
 
+/* Products of many tokens sharing one input x (ntok, cols) (q, k and v; gate and up): x is
+ * packed once and every product's row panels run in one dispatch. */
+int lm_matmul_group(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
+    enum { MAX_GROUP = 4 };
+    if (n < 1 || n > MAX_GROUP || mms == NULL || ntok < LM_GEMM_MIN_TOKENS) {
+        return LM_EINVAL;
+    }
+    const int64_t cols = mms[0].cols;
+    const float *x = mms[0].x;
+    mm_ctx cs[MAX_GROUP];
+    int64_t first[MAX_GROUP + 1] = {0};
+    const lm_kernels *k = lm_kernels_active();
+    for (int i = 0; i < n; i++) {
+        const lm_mm *m = &mms[i];
+        const int64_t rb = lm_row_bytes(m->w.type, cols);
+        if (lm_type_block_elems(m->w.type) <= 0) {
+            return LM_ETYPE;
+        }
+        if (m->x != x || m->cols != cols || rb < 0 || m->rows <= 0 || cols <= 0 ||
+            m->w.data == NULL || m->y == NULL ||
+            (lm_r16_base(m->w.type) >= 0 && m->rows % R16 != 0)) {
+            return LM_EINVAL;
+        }
+        cs[i] = (mm_ctx){.k = k, .type = m->w.type, .w = m->w.data, .rows = m->rows,
+                         .cols = cols, .ntok = ntok, .row_bytes = rb, .x = x, .y = m->y};
+        first[i + 1] = first[i] + (m->rows + k->mr - 1) / k->mr;
+    }
+    if (first[n] > 0xFFFF) { /* a task a panel: more than a dispatch takes */
+        for (int i = 0; i < n; i++) {
+            LM_TRY(lm_matmul(pool, mms[i].w.type, mms[i].w.data, mms[i].rows, cols, x, ntok,
+                             mms[i].y));
+        }
+        return LM_OK;
+    }
+    lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
+    const int nth = lm_pool_size(acq);
+    const int mr = k->mr, nr = k->nr;
+    const int64_t n_xpanels = (ntok + nr - 1) / nr;
+    const size_t xbytes = align64((size_t)n_xpanels * (size_t)nr * (size_t)cols * sizeof(float));
+    const size_t per_thread = align64((2 * (size_t)mr * (size_t)cols + (size_t)mr * nr) *
+                                      sizeof(float));
+    const size_t total = xbytes + per_thread * (size_t)nth;
+    uint8_t *mem = acq != NULL ? lm_pool_scratch(acq, total) : lm_aligned_alloc(total);
+    if (mem == NULL) {
+        if (acq != NULL) {
+            lm_pool_release(acq);
+        }
+        return LM_ENOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        cs[i].xpack = (float *)mem;
+        cs[i].scratch = mem + xbytes;
+        cs[i].per_thread = per_thread;
+    }
+    run_job(acq, mm_pack_x_task, &cs[0], nth == 1 ? 1 : min64(n_xpanels, 4 * nth));
+    mm_group g = {cs, n, first};
+    run_job(acq, mm_group_task, &g, first[n]);
+    if (acq != NULL) {
+        lm_pool_release(acq);
+    } else {
+        lm_aligned_free(mem);
+    }
+    return LM_OK;
+}

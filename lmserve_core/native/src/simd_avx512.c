@@ -670,6 +670,64 @@ T512 static void z_gemm_32x12(const float *a, const float *b, int64_t k, float *
 #undef OUT
 }
 
+/* The Z_MR rows of tile (row i at tile + i * cols) into the k-major panel a[k * Z_MR + i]:
+ * 16 x 16 blocks transposed in registers, the columns past the last whole block one by one. */
+T512 static void z_transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + e]: element e of each lane, rows i .. i + 3 */
+        for (int j = 0; j < 2; j++) {
+            const __m512d lo = _mm512_castps_pd(t[i + j]), hi = _mm512_castps_pd(t[i + j + 2]);
+            r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+            r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        const int lo = (i & 3) + (i & 4) * 2; /* rows 0-3, 8-11 */
+        t[i] = _mm512_shuffle_f32x4(r[lo], r[lo + 4], 0x88);
+        t[i + 8] = _mm512_shuffle_f32x4(r[lo], r[lo + 4], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 4], 0x88);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 8], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 8], t[i + 12], 0xDD);
+    }
+}
+
+T512 static void z_panel_32(const float *tile, int64_t cols, float *a) {
+    const int64_t whole = cols & ~(int64_t)15;
+    for (int64_t k0 = 0; k0 < whole; k0 += 16) {
+        for (int h = 0; h < Z_MR; h += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(tile + (h + i) * cols + k0);
+            z_transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(a + (k0 + i) * Z_MR + h, r[i]);
+        }
+    }
+    for (int64_t k = whole; k < cols; k++)
+        for (int i = 0; i < Z_MR; i++) a[k * Z_MR + i] = tile[i * cols + k];
+}
+
+/* Up to Z_NR rows of n values into a token panel, dst[i * Z_NR + j] = src[j * ld + i] (rows
+ * past `rows` zero): 16 columns at a time through the 16 x 16 transposition. */
+T512 static void z_pack_nr(const float *src, int64_t ld, int rows, int64_t n, float *dst) {
+    const int64_t whole = n & ~(int64_t)15;
+    for (int64_t i0 = 0; i0 < whole; i0 += 16) {
+        __m512 r[16];
+        for (int j = 0; j < 16; j++)
+            r[j] = j < rows ? _mm512_loadu_ps(src + j * ld + i0) : _mm512_setzero_ps();
+        z_transpose16(r);
+        for (int i = 0; i < 16; i++)
+            _mm512_mask_storeu_ps(dst + (i0 + i) * Z_NR, (__mmask16)((1u << Z_NR) - 1), r[i]);
+    }
+    for (int64_t i = whole; i < n; i++)
+        for (int j = 0; j < Z_NR; j++) dst[i * Z_NR + j] = j < rows ? src[j * ld + i] : 0.0f;
+}
+
 /* ------------------------------------------------------------------ int16 products, VNNI
  * Four groups of 32 at once. x's quads (lm_quads_x16_fn) and the weights of four blocks put
  * elements 8k..8k+7 of group j in the 128-bit lane j of vector k, so that four dpwssd (the
@@ -948,6 +1006,8 @@ void lm_kernels_avx512(lm_kernels *k) {
 #undef SET_BLOCK
 #undef SET_ELEM
     k->gemm = z_gemm_32x12;
+    k->panel = z_panel_32;
+    k->pack_nr = z_pack_nr;
     k->mr = Z_MR;
     k->nr = Z_NR;
     k->dot_f32 = z_vdot_f32;

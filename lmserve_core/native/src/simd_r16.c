@@ -291,6 +291,46 @@ DEF_ZR16(q4_1, r16_q4_1)
 DEF_ZR16(q8_0, r16_q8_0)
 #undef DEF_ZR16
 
+/* The 16 rows of a column group straight into the k-major panel of the GEMM: element k of
+ * row n at a[k * lda + n]. A tile row's bytes (16 rows x 4 elements) are permuted to 4 x 16
+ * (vpermb), and each quarter is widened, converted and scaled like deq_r16 (q * f, then + m):
+ * the same values, without a row's gather or the transposition after it. */
+#define TVBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+#define DEF_ZPANEL(name, col_t)                                                                    \
+    TVBMI static void z_panel_r16_##name(const void *w, int64_t cols, float *a, int64_t lda) {    \
+        const col_t *col = w;                                                                      \
+        const __m512i idx = _mm512_set_epi8(                                                       \
+            63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3,                          \
+            62, 58, 54, 50, 46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2,                          \
+            61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1,                           \
+            60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);                          \
+        for (int64_t b = 0; b < cols / 32; b++) {                                                  \
+            const col_t *c = col + b;                                                              \
+            const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));          \
+            const __m512 m = Z_R16_M_##name(c);                                                    \
+            float *out = a + 32 * b * lda;                                                         \
+            for (int k = 0; k < 4; k++) {                                                          \
+                __m512i r[2];                                                                      \
+                z_r16_rows_##name(c, k, &r[0], &r[1]);                                             \
+                for (int h = 0; h < 2; h++) {                                                      \
+                    const __m512i t = _mm512_permutexvar_epi8(idx, r[h]);                          \
+                    float *at = out + (8 * k + 4 * h) * lda;                                       \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                          \
+                        const __m128i q = _mm512_extracti32x4_epi32(t, j);                         \
+                        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), f);  \
+                        if (Z_R16_MINS_##name) v = _mm512_add_ps(v, m);                            \
+                        _mm512_storeu_ps(at + j * lda, v);                                         \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+DEF_ZPANEL(q4_0, r16_q4_0)
+DEF_ZPANEL(q4_1, r16_q4_1)
+DEF_ZPANEL(q8_0, r16_q8_0)
+#undef DEF_ZPANEL
+#undef TVBMI
+
 void lm_kernels_r16_avx512(lm_kernels *k) {
     k->dotq_r16[LM_Q4_0_R16] = z_dotq_r16_q4_0;
     k->dotq_r16[LM_Q4_1_R16] = z_dotq_r16_q4_1;
@@ -298,6 +338,11 @@ void lm_kernels_r16_avx512(lm_kernels *k) {
     k->deq_r16[LM_Q4_0_R16] = z_deq_r16_q4_0;
     k->deq_r16[LM_Q4_1_R16] = z_deq_r16_q4_1;
     k->deq_r16[LM_Q8_0_R16] = z_deq_r16_q8_0;
+    if (__builtin_cpu_supports("avx512vbmi")) {
+        k->panel_r16[LM_Q4_0_R16] = z_panel_r16_q4_0;
+        k->panel_r16[LM_Q4_1_R16] = z_panel_r16_q4_1;
+        k->panel_r16[LM_Q8_0_R16] = z_panel_r16_q8_0;
+    }
     k->bytes_x16 = z_bytes_x16;
     k->r16_tokens = LM_DOTQ_TOKENS;
     k->r16_fast = 1;
