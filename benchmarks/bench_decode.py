@@ -221,8 +221,13 @@ def main() -> None:
     parser.add_argument("--llama-bench", help="path of a built llama.cpp llama-bench")
     parser.add_argument("--depth", type=int, default=0,
                         help="decode only, after a context of this many tokens")
+    parser.add_argument("--prefill-precision", choices=["int16", "f32"], default="int16",
+                        help="lmserve's prefill products, as the server's flag (default int16)")
     add_output_options(parser)
     args = parser.parse_args()
+    from lmserve_core.native import kernels
+
+    kernels.select_prefill_precision(kernels.PREFILL_PRECISIONS[args.prefill_precision])
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     report = Report("decode", args, args.threads, args.llama_bench,
                     name=f"decode-depth{args.depth}" if args.depth else "decode")

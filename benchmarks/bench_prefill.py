@@ -19,10 +19,11 @@ repository (its own built kernels and plugins, e.g. a ``git worktree`` of an ear
 a change's effect measured in the same run as the references.
 
 The fraction of peak: before the servers start, the script times the shared kernels in this
-process on the same threads: the float32 GEMM that prefill runs (Q8_0 weights, 512 tokens)
-and the integer products (int8 weights with int16 activations, ``vpdpwssd`` on AVX-512
-VNNI; Q8_0 in its interleaved layout where the CPU has it, 16 tokens a pass), each as
-multiply-adds x 2 per second. A model's prefill reaches ``2 x (weights a token multiplies)
+process on the same threads: the float32 GEMM (Q8_0 weights, 512 tokens, prefill's path
+under ``--prefill-precision f32`` and for the types without an interleaved layout) and the
+integer products (int8 weights with int16 activations, ``vpdpwssd`` on AVX-512 VNNI: Q8_0 in
+its interleaved layout where the CPU has it, 512 tokens, prefill's default path there), each
+as multiply-adds x 2 per second. A model's prefill reaches ``2 x (weights a token multiplies)
 x tok/s`` of them: attention and everything outside the products are left out of the
 numerator, so the fraction is an upper bound of what the products achieve.
 
@@ -140,9 +141,12 @@ def kernel_peaks(threads: int) -> dict[str, float]:
     else:
         wi, itype = w, qtype
     out = {}
+    ntok = 512
     with K.Pool(threads) as pool:
-        for name, q, mat, ntok in (("f32_gemm", qtype, w, 512), ("int_products", itype, wi, 16)):
+        for name, q, mat, precision in (("f32_gemm", qtype, w, K.PrefillPrecision.F32),
+                                        ("int_products", itype, wi, K.PrefillPrecision.I16)):
             x = rng.standard_normal((ntok, cols), dtype=np.float32)
+            K.select_prefill_precision(precision)
             K.matmul(q, mat, rows, cols, x, pool=pool)
             best = float("inf")
             for _ in range(5):
@@ -152,6 +156,7 @@ def kernel_peaks(threads: int) -> dict[str, float]:
                     K.matmul(q, mat, rows, cols, x, pool=pool)
                 best = min(best, (time.perf_counter() - t0) / n)
             out[name] = 2.0 * rows * cols * ntok / best / 1e9
+    K.select_prefill_precision(K.PrefillPrecision.I16)
     return out
 
 

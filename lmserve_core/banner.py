@@ -32,6 +32,7 @@ def facts(
     decode_precision: str,
     auth: bool,
     chat_page: bool,
+    prefill_precision: str = "int16",
 ) -> dict[str, Any]:
     """The fields of the ``serving`` event: the URL (``all_interfaces`` when the address
     binds every interface; ``local_url`` is where this machine reaches it), the model's id,
@@ -58,6 +59,7 @@ def facts(
         "kv_bytes": getattr(backend, "kv_bytes", None),
         "kv_type": getattr(getattr(backend, "model", None), "kv_type", None),
         "decode_precision": decode_precision,
+        "prefill_precision": prefill_precision,
         "batch": batch,
         "spec": getattr(getattr(backend, "drafts", None), "name", None),
         # --cartridge: the KV prefix every conversation starts behind
@@ -100,6 +102,8 @@ def render(f: dict[str, Any], *, colors: bool = False) -> str:
     )
     rows.append(("backend", f["backend"] + (f"  ({about})" if about else "")))
     speed = f"batch {f['batch']}, decode {f['decode_precision']}"
+    if f.get("prefill_precision", "int16") != "int16":
+        speed += f", prefill {f['prefill_precision']}"
     if f["spec"]:
         speed += f", speculative ({f['spec']})"
     rows.append(("context", f"{f['ctx']} tokens; {speed}"))

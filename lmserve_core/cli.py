@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default; faster), or f32 throughout (the reference path)",
     )
     g.add_argument(
+        "--prefill-precision",
+        choices=["int16", "f32"],
+        default="int16",
+        help="activations of prefill's products (32 tokens and more): int16 as decode's on the "
+        "matrices the CPU multiplies faster that way (default), or f32 throughout",
+    )
+    g.add_argument(
         "--weights",
         choices=["auto", "copy", "map"],
         default="auto",
@@ -404,6 +411,7 @@ def build(args: argparse.Namespace) -> Built:
     memory.fix_mmap_threshold()
     memory.set_weights_mode(args.weights)
     kernels.select_decode_precision(kernels.DECODE_PRECISIONS[args.decode_precision])
+    kernels.select_prefill_precision(kernels.PREFILL_PRECISIONS[args.prefill_precision])
     spec, model = _pick_backend(args)
     settings = ServerSettings(
         ctx=args.ctx,
@@ -496,6 +504,7 @@ def serve(args: argparse.Namespace) -> int:
             model_path=model,
             batch=engine.batch_size,
             decode_precision=args.decode_precision,
+            prefill_precision=args.prefill_precision,
             auth=bool(args.api_key),
             chat_page=args.webui,
         )

@@ -59,10 +59,12 @@ def rng() -> np.random.Generator:
 
 @pytest.fixture
 def restore_isa() -> Iterator[None]:
-    """The kernels' ISA and decode precision as they were before the test."""
+    """The kernels' ISA and precisions as they were before the test."""
     from lmserve_core.native import kernels
 
     before, precision = kernels.isa_active(), kernels.decode_precision()
+    prefill = kernels.prefill_precision()
     yield
     kernels.select_isa(before)
     kernels.select_decode_precision(precision)
+    kernels.select_prefill_precision(prefill)

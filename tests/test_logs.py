@@ -275,6 +275,7 @@ def test_serving_event_and_progress_lines_without_a_terminal(tmp_path: Path) -> 
         "kv_type": "f16",
         "batch": 4,
         "decode_precision": "int16",
+        "prefill_precision": "int16",
         "auth": True,
         "chat_url": base + "/",
         "openai_base_url": base + "/v1",

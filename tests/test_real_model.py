@@ -155,18 +155,21 @@ def test_count_tokens_matches_the_prompt_tokens_of_a_reply(ant) -> None:
     assert counted.input_tokens == total
 
 
-def test_f32_decode_precision_serves_the_same_greedy_reply(smol, oai, tmp_path) -> None:
-    """The served default (int16 activations in decode's products) and the f32 reference
-    path give the same greedy reply; the start-up log says which one runs."""
+def test_f32_precisions_serve_the_same_greedy_reply(smol, oai, tmp_path) -> None:
+    """The served default (int16 activations in decode's products and in prefill's on the
+    interleaved matrices) and the f32 reference path give the same greedy reply; the
+    start-up log says which one runs."""
     from processes import launch
 
     assert '"decode_precision": "int16"' in smol.log_text()
+    assert '"prefill_precision": "int16"' in smol.log_text()
     ask = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
     want = oai.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=24)
-    f32 = launch("--threads", "2", "--decode-precision", "f32", scripted=False,
-                 log_dir=tmp_path, timeout=120)
+    f32 = launch("--threads", "2", "--decode-precision", "f32", "--prefill-precision", "f32",
+                 scripted=False, log_dir=tmp_path, timeout=120)
     try:
         assert '"decode_precision": "f32"' in f32.log_text()
+        assert '"prefill_precision": "f32"' in f32.log_text()
         with openai.OpenAI(base_url=f32.base_url + "/v1", api_key=API_KEY, max_retries=0) as c:
             got = c.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=24)
     finally:

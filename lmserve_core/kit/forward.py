@@ -431,10 +431,14 @@ class NativeForwardModel:
     @staticmethod
     def _interleave(info: TensorInfo, ggml_type: int, cuts: Sequence[int]) -> int | None:
         """The interleaved type a copy of ``info`` (held as ``ggml_type``) takes, or None:
-        where the active ISA reads it faster, under int16 decode, with whole groups of 16
+        where the active ISA reads it faster, under int16 decode or prefill, with whole groups of 16
         rows in every matrix and between the family's cuts."""
         to = kernels.interleaved_for(ggml_type)
-        if to is None or kernels.decode_precision() != kernels.DecodePrecision.I16:
+        ints = (
+            kernels.decode_precision() == kernels.DecodePrecision.I16
+            or kernels.prefill_precision() == kernels.PrefillPrecision.I16
+        )
+        if to is None or not ints:
             return None
         if len(info.shape) < 2 or info.shape[-2] % 16 or any(int(c) % 16 for c in cuts):
             return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,13 @@ DecodePrecision.__doc__ = (
 )
 #: ``--decode-precision`` names of the precisions.
 DECODE_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
+PrefillPrecision = _c_enum("PrefillPrecision", "enum lm_prefill_precision", "LM_PREFILL_")
+PrefillPrecision.__doc__ = (
+    "Activations of the many-token products (prefill): F32, or I16 (decode's int16 products "
+    "on the interleaved matrices, the f32 GEMM elsewhere; lm_prefill_precision)."
+)
+#: ``--prefill-precision`` names of the precisions.
+PREFILL_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
 #: Query rows a forward pass of one sequence may have and still run decode's kernels, which
 #: give each row the bits it gets in a pass of its own (``LM_DECODE_MAX_ROWS``; the C side
 #: checks its thresholds against it): speculative verification stays within it.
@@ -178,17 +185,24 @@ def available_isas() -> list[enum.IntEnum]:
 
 
 @contextlib.contextmanager
-def use_isa(isa: int) -> Iterator[enum.IntEnum]:
-    """Run a block with ``isa`` selected, then restore the previous selection."""
-    previous = isa_active()
-    select_isa(isa)
+def _selected(
+    active: Callable[[], enum.IntEnum], select: Callable[[int], None], value: int
+) -> Iterator[enum.IntEnum]:
+    """Run a block with ``value`` selected, then restore the previous selection."""
+    previous = active()
+    select(value)
     try:
-        yield Isa(isa)
+        yield active()
     finally:
-        select_isa(previous)
+        select(previous)
 
 
-# ------------------------------------------------------------------ decode precision
+def use_isa(isa: int) -> contextlib.AbstractContextManager[enum.IntEnum]:
+    """Run a block with ``isa`` selected, then restore the previous selection."""
+    return _selected(isa_active, select_isa, isa)
+
+
+# ------------------------------------------------------------------ precisions
 def decode_precision() -> enum.IntEnum:
     """Activation precision of the few-token products, process-wide."""
     return DecodePrecision(lib.lm_decode_precision_active())
@@ -199,15 +213,24 @@ def select_decode_precision(precision: int) -> None:
     check(lib.lm_decode_precision_select(int(precision)), f"select decode precision {precision}")
 
 
-@contextlib.contextmanager
-def use_decode_precision(precision: int) -> Iterator[enum.IntEnum]:
+def use_decode_precision(precision: int) -> contextlib.AbstractContextManager[enum.IntEnum]:
     """Run a block with ``precision`` selected, then restore the previous selection."""
-    previous = decode_precision()
-    select_decode_precision(precision)
-    try:
-        yield DecodePrecision(precision)
-    finally:
-        select_decode_precision(previous)
+    return _selected(decode_precision, select_decode_precision, precision)
+
+
+def prefill_precision() -> enum.IntEnum:
+    """Activation precision of the many-token products, process-wide."""
+    return PrefillPrecision(lib.lm_prefill_precision_active())
+
+
+def select_prefill_precision(precision: int) -> None:
+    """Make the many-token products use ``precision`` (a PrefillPrecision) process-wide."""
+    check(lib.lm_prefill_precision_select(int(precision)), f"select prefill precision {precision}")
+
+
+def use_prefill_precision(precision: int) -> contextlib.AbstractContextManager[enum.IntEnum]:
+    """Run a block with ``precision`` selected for prefill, then restore the previous one."""
+    return _selected(prefill_precision, select_prefill_precision, precision)
 
 
 # ------------------------------------------------------------------ pool

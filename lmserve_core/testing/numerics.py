@@ -24,14 +24,21 @@ def f32_products() -> Iterator[None]:
     """Run a block on the reference path: f32 activations in every product, decode's
     included (the server's default gives decode int16 activations; the families' numerics
     tests compare the f32 path with transformers and the int16 one with both)."""
-    with kernels.use_decode_precision(kernels.DecodePrecision.F32):
+    with (
+        kernels.use_decode_precision(kernels.DecodePrecision.F32),
+        kernels.use_prefill_precision(kernels.PrefillPrecision.F32),
+    ):
         yield
 
 
 @contextlib.contextmanager
 def int16_products() -> Iterator[None]:
-    """Run a block with the few-token products on int16 activations (the default)."""
-    with kernels.use_decode_precision(kernels.DecodePrecision.I16):
+    """Run a block with every product that has an int16 path on it (the default: decode's
+    products, and prefill's on the interleaved matrices)."""
+    with (
+        kernels.use_decode_precision(kernels.DecodePrecision.I16),
+        kernels.use_prefill_precision(kernels.PrefillPrecision.I16),
+    ):
         yield
 
 
@@ -166,15 +173,18 @@ def check_int16_decode(
 
 def int16_perplexity_gap(
     model: Any, chunked: Any, chunks: Sequence[Sequence[int]], first: int
-) -> tuple[float, float]:
-    """Perplexity of ``model`` on the f32 path, and of ``chunked`` (the same weights loaded
-    with chunks under 32 tokens, so every product takes the integer path) on int16."""
+) -> tuple[float, float, float]:
+    """Perplexity of ``model`` on the f32 path; of ``chunked`` (the same weights loaded with
+    chunks under 32 tokens, so every product takes the integer path) on int16; and of
+    ``model`` on the default int16 path (whole-chunk prefill: its products on int16 where the
+    matrices are interleaved, in f32 elsewhere)."""
     with f32_products():
         f32 = perplexity(model, chunks, first)
     with int16_products():
         i16 = perplexity(chunked, chunks, first)
-    print(f"perplexity: f32 {f32:.6f}, int16 decode products {i16:.6f}")
-    return f32, i16
+        prefill = perplexity(model, chunks, first)
+    print(f"perplexity: f32 {f32:.6f}, int16 decode products {i16:.6f}, int16 prefill {prefill:.6f}")
+    return f32, i16, prefill
 
 
 def gguf_reference(path: str | os.PathLike[str], **kwargs: Any) -> Any:

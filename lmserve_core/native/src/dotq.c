@@ -25,9 +25,32 @@ int lm_decode_precision_select(int precision) {
     return LM_OK;
 }
 
+static _Atomic int g_prefill = LM_PREFILL_I16;
+
+int lm_prefill_precision_active(void) {
+    return atomic_load_explicit(&g_prefill, memory_order_relaxed);
+}
+
+int lm_prefill_precision_select(int precision) {
+    if (precision != LM_PREFILL_F32 && precision != LM_PREFILL_I16) return LM_EINVAL;
+    atomic_store(&g_prefill, precision);
+    return LM_OK;
+}
+
 int lm_dot_has_i16(const lm_kernels *k, int type) {
     if (type < 0 || type >= LM_NTYPES || k->quant_x16 == NULL) return 0;
     return k->dotq[type] != NULL || k->dotq_r16[type] != NULL;
+}
+
+int lm_int_products_at(const lm_kernels *k, int type, int64_t ntok, int decode, int prefill) {
+    if (ntok < LM_GEMM_MIN_TOKENS) return decode == LM_DECODE_I16 && lm_dot_has_i16(k, type);
+    return prefill == LM_PREFILL_I16 && k->r16_fast && lm_r16_base(type) >= 0 &&
+           k->dotq_r16[type] != NULL && k->quant_x16 != NULL;
+}
+
+int lm_int_products(const lm_kernels *k, int type, int64_t ntok) {
+    return lm_int_products_at(k, type, ntok, lm_decode_precision_active(),
+                              lm_prefill_precision_active());
 }
 
 /* ------------------------------------------------------------------ activations */
@@ -66,21 +89,32 @@ size_t lm_xq_bytes(int64_t ntok, int64_t cols) {
            xq_b_bytes(ntok, cols) + (size_t)(ntok * (cols / 16)) * sizeof(float);
 }
 
-void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t cols, void *mem,
-                      lm_xq *xq) {
+void lm_xq_layout(const lm_kernels *k, int64_t ntok, int64_t cols, void *mem, lm_xq *xq) {
     uint8_t *m = mem;
     xq->q = (int16_t *)m;
     const size_t at_q4 = xq_q_bytes(ntok, cols);
     const size_t at_b = at_q4 + xq_q_bytes(ntok, LM_QUAD_COLS(cols));
-    xq->q4 = k->quads_x16 != NULL ? (int16_t *)(m + at_q4) : NULL;
-    xq->b = k->bytes_x16 != NULL ? m + at_b : NULL;
+    /* the quads and bytes serve the few-token kernels only */
+    const int few = ntok < LM_GEMM_MIN_TOKENS;
+    xq->q4 = few && k->quads_x16 != NULL ? (int16_t *)(m + at_q4) : NULL;
+    xq->b = few && k->bytes_x16 != NULL ? m + at_b : NULL;
     xq->ds = (float *)(m + at_b + xq_b_bytes(ntok, cols));
     xq->n = cols;
-    for (int64_t t = 0; t < ntok; t++) {
+}
+
+void lm_xq_fill(const lm_kernels *k, const float *x, int64_t t0, int64_t t1, lm_xq *xq) {
+    const int64_t cols = xq->n;
+    for (int64_t t = t0; t < t1; t++) {
         k->quant_x16(x + t * cols, cols, xq->q + t * cols, xq->ds + t * (cols / 16));
         if (xq->q4 != NULL) k->quads_x16(xq->q + t * cols, cols, xq->q4 + t * LM_QUAD_COLS(cols));
         if (xq->b != NULL) k->bytes_x16(xq->q + t * cols, cols, xq->b + t * LM_BYTE_COLS(cols));
     }
+}
+
+void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t cols, void *mem,
+                      lm_xq *xq) {
+    lm_xq_layout(k, ntok, cols, mem, xq);
+    lm_xq_fill(k, x, 0, ntok, xq);
 }
 
 /* ------------------------------------------------------------------ weight integers

@@ -212,7 +212,20 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
         total += m->rows;
     }
     if (total == 0 || ntok == 0) return LM_OK;
-    if (ntok >= LM_GEMM_MIN_TOKENS) {
+    const lm_kernels *k = lm_kernels_active();
+    /* the precisions are read once, so the choices, the sizing and the quantizing agree */
+    const int dec = lm_decode_precision_active(), pre = lm_prefill_precision_active();
+#define USES_INTS(m) ((m).rows > 0 && lm_int_products_at(k, (m).w.type, ntok, dec, pre))
+    int ints = 0; /* products on int16 activations */
+    for (int i = 0; i < n; i++) ints += USES_INTS(mms[i]);
+    if (ntok >= LM_GEMM_MIN_TOKENS && ints > 0 && ints < n) { /* each its own path */
+        for (int i = 0; i < n; i++) {
+            const lm_mm *m = &mms[i];
+            LM_TRY(lm_matmul(pool, m->w.type, m->w.data, m->rows, m->cols, m->x, ntok, m->y));
+        }
+        return LM_OK;
+    }
+    if (ntok >= LM_GEMM_MIN_TOKENS && ints == 0) {
         int shared = n <= 4;
         for (int i = 1; i < n; i++) shared &= mms[i].x == mms[0].x && mms[i].cols == mms[0].cols;
         for (int i = 0; i < n; i++) shared &= mms[i].rows > 0 && mms[i].cols > 0;
@@ -224,13 +237,10 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
         }
         return LM_OK;
     }
-    const lm_kernels *k = lm_kernels_active();
-    /* the integer path quantizes each distinct input once (q, k and v share theirs); the
-     * precision is read once, so the sizing and the quantizing below agree */
-    const int i16 = lm_decode_precision_active() == LM_DECODE_I16;
+    /* the integer path quantizes each distinct input once (q, k and v share theirs) */
     size_t bytes = ((size_t)n * (sizeof(lm_xq) + sizeof(lm_xq *)) + 63) & ~(size_t)63;
     for (int i = 0; i < n; i++) {
-        if (i16 && lm_dot_has_i16(k, mms[i].w.type)) bytes += lm_xq_bytes(ntok, mms[i].cols);
+        if (USES_INTS(mms[i])) bytes += lm_xq_bytes(ntok, mms[i].cols);
     }
     lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
     void *own = NULL;
@@ -244,12 +254,12 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
     uint8_t *at = mem + (((size_t)n * (sizeof(lm_xq) + sizeof(lm_xq *)) + 63) & ~(size_t)63);
     for (int i = 0; i < n; i++) {
         xqs[i] = NULL;
-        if (!i16 || !lm_dot_has_i16(k, mms[i].w.type) || mms[i].rows == 0) continue;
+        if (!USES_INTS(mms[i])) continue;
         for (int j = 0; j < i && xqs[i] == NULL; j++) {
             if (xqs[j] != NULL && mms[j].x == mms[i].x && mms[j].cols == mms[i].cols) xqs[i] = xqs[j];
         }
         if (xqs[i] == NULL) {
-            lm_quantize_acts(k, mms[i].x, ntok, mms[i].cols, at, &xq[i]);
+            lm_quantize_acts_on(acq, k, mms[i].x, ntok, mms[i].cols, at, &xq[i]);
             at += lm_xq_bytes(ntok, mms[i].cols);
             xqs[i] = &xq[i];
         }
@@ -264,6 +274,7 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
     lm_pool_run_tasks(acq, mms_task, &c, (int)kit_min64((total + 15) / 16, 8 * lm_pool_size(acq)));
     lm_pool_release(acq);
     return LM_OK;
+#undef USES_INTS
 }
 
 /* ============================================================================ model base */

@@ -490,11 +490,24 @@ void lm_matmul_dot_rows(const lm_kernels *k, int type, const uint8_t *w, int64_t
 /* 1 when the ISA has an integer kernel for `type` weights (the dot path uses it while the
  * precision selected is LM_DECODE_I16; read that once per product). */
 int lm_dot_has_i16(const lm_kernels *k, int type);
+/* 1 when a product of ntok tokens of this type runs on int16 activations: under int16 decode
+ * every type with integer products below LM_GEMM_MIN_TOKENS; under int16 prefill the
+ * interleaved types from there on (the others take the f32 GEMM). */
+int lm_int_products(const lm_kernels *k, int type, int64_t ntok);
+/* The same under the given precisions (read once by a caller that asks more than once). */
+int lm_int_products_at(const lm_kernels *k, int type, int64_t ntok, int decode, int prefill);
 /* Bytes lm_quantize_acts needs for ntok x cols activations (cols a multiple of 32). */
 size_t lm_xq_bytes(int64_t ntok, int64_t cols);
 /* Quantize x (ntok, cols) into mem (lm_xq_bytes, 64-byte aligned) described by *xq. */
 void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t cols, void *mem,
                       lm_xq *xq);
+/* The two halves of lm_quantize_acts: *xq pointed into mem (the few-token kernels' copies
+ * only below LM_GEMM_MIN_TOKENS), then tokens [t0, t1) of x quantized into it. */
+void lm_xq_layout(const lm_kernels *k, int64_t ntok, int64_t cols, void *mem, lm_xq *xq);
+void lm_xq_fill(const lm_kernels *k, const float *x, int64_t t0, int64_t t1, lm_xq *xq);
+/* lm_quantize_acts on the acquired pool (or inline when NULL), tokens split between tasks. */
+void lm_quantize_acts_on(lm_pool *acquired, const lm_kernels *k, const float *x, int64_t ntok,
+                         int64_t cols, void *mem, lm_xq *xq);
 
 /* ------------------------------------------------------------------ cache internals */
 /* 1 when the cache was made for this geometry. */

@@ -62,11 +62,25 @@ static void dot_rows_r16(const lm_kernels *k, int type, const uint8_t *w, int64_
     if (g1 <= g0) {
         return;
     }
-    const uint8_t *at = w + g0 * R16 * rb;
     if (xq != NULL) {
-        for (int64_t t = 0; t < ntok; t += k->r16_tokens) {
-            const int64_t nt = ntok - t < k->r16_tokens ? ntok - t : k->r16_tokens;
-            k->dotq_r16[type](at, g1 - g0, xq, t, (int)nt, y + t * rows + g0 * R16, rows);
+        /* Many tokens: a tile of row groups (up to 256 KiB of weights) meets a block of tokens
+         * (up to 512 KiB of int16 activations) while both stay in the L2 cache; the passes of
+         * r16_tokens tokens are the same as without the tiling, so are the outputs. */
+        const int64_t tile = R16 * rb, step = k->r16_tokens;
+        const int64_t gs = tile >= (256 << 10) ? 1 : (256 << 10) / tile;
+        const int64_t ts = ntok < LM_GEMM_MIN_TOKENS || cols * 2 * step >= (512 << 10)
+                               ? step
+                               : (512 << 10) / (cols * 2) / step * step;
+        for (int64_t tb = 0; tb < ntok; tb += ts) {
+            const int64_t te = ntok - tb < ts ? ntok : tb + ts;
+            for (int64_t g = g0; g < g1; g += gs) {
+                const int64_t ng = g1 - g < gs ? g1 - g : gs;
+                for (int64_t t = tb; t < te; t += step) {
+                    const int64_t nt = te - t < step ? te - t : step;
+                    k->dotq_r16[type](w + g * tile, ng, xq, t, (int)nt, y + t * rows + g * R16,
+                                      rows);
+                }
+            }
         }
         return;
     }
@@ -136,6 +150,30 @@ static void mm_dot_task(void *arg, int task, int n_tasks, int thread) {
     split(c->rows, task, n_tasks, &r0, &r1);
     lm_matmul_dot_rows(c->k, c->type, c->w, r0, r1, c->rows, c->cols, c->x, c->xq, c->ntok,
                        c->y);
+}
+
+typedef struct {
+    const lm_kernels *k;
+    const float *x;
+    int64_t ntok;
+    lm_xq *xq;
+} quant_ctx;
+
+static void quant_task(void *arg, int task, int n_tasks, int thread) {
+    (void)thread;
+    const quant_ctx *c = arg;
+    int64_t t0, t1;
+    split(c->ntok, task, n_tasks, &t0, &t1);
+    lm_xq_fill(c->k, c->x, t0, t1, c->xq);
+}
+
+void lm_quantize_acts_on(lm_pool *acquired, const lm_kernels *k, const float *x, int64_t ntok,
+                         int64_t cols, void *mem, lm_xq *xq) {
+    lm_xq_layout(k, ntok, cols, mem, xq);
+    quant_ctx c = {k, x, ntok, xq};
+    const int nth = lm_pool_size(acquired);
+    run_job(ntok < LM_GEMM_MIN_TOKENS ? NULL : acquired, quant_task, &c,
+            ntok < LM_GEMM_MIN_TOKENS || nth == 1 ? 1 : min64(ntok, 4 * nth));
 }
 
 /* ------------------------------------------------------------------ GEMM path */
@@ -305,10 +343,11 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
     lm_pool *acq = lm_pool_acquire(pool) ? pool : NULL;
     const int nth = lm_pool_size(acq);
 
-    if (ntok < LM_GEMM_MIN_TOKENS) {
+    const int ints = lm_int_products(c.k, type, ntok);
+    if (ntok < LM_GEMM_MIN_TOKENS || ints) {
         lm_xq xq;
         void *own = NULL;
-        if (lm_decode_precision_active() == LM_DECODE_I16 && lm_dot_has_i16(c.k, type)) {
+        if (ints) {
             const size_t bytes = lm_xq_bytes(ntok, cols);
             void *mem = acq != NULL ? lm_pool_scratch(acq, bytes) : (own = lm_aligned_alloc(bytes));
             if (mem == NULL) {
@@ -317,7 +356,7 @@ int lm_matmul(lm_pool *pool, int type, const void *w, int64_t rows, int64_t cols
                 }
                 return LM_ENOMEM;
             }
-            lm_quantize_acts(c.k, x, ntok, cols, mem, &xq);
+            lm_quantize_acts_on(acq, c.k, x, ntok, cols, mem, &xq);
             c.xq = &xq;
         }
         /* a few row chunks per thread balance the load when a thread runs late */

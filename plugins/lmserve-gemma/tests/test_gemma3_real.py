@@ -269,8 +269,9 @@ def test_int16_perplexity_stays_far_closer_than_llamacpp(
         for c in range(int(llamacpp["n_chunks"]))
     ]
     chunked = Gemma3Model.load(gguf, n_threads=2, n_batch=16, kv_type="f32")
-    f32, i16 = int16_perplexity_gap(ours, chunked, chunks, n_ctx // 2)
+    f32, i16, prefill = int16_perplexity_gap(ours, chunked, chunks, n_ctx // 2)
     assert abs(i16 - f32) <= abs(float(llamacpp["ppl"]) - f32) / 10
+    assert abs(prefill - f32) <= abs(float(llamacpp["ppl"]) - f32) / 10
 
 
 @pytest.mark.parametrize("precision", list(kernels.DECODE_PRECISIONS))

@@ -337,5 +337,6 @@ def test_int16_perplexity_stays_far_closer_than_llamacpp(
     tokens, n_ctx = list(llamacpp["tokens"]), int(llamacpp["ctx"])
     chunks = [tokens[c * n_ctx : (c + 1) * n_ctx] for c in range(int(llamacpp["n_chunks"]))]
     chunked = LlamaModel.load(gguf, n_threads=2, n_batch=16, kv_type="f32")
-    f32, i16 = int16_perplexity_gap(ours, chunked, chunks, n_ctx // 2)
+    f32, i16, prefill = int16_perplexity_gap(ours, chunked, chunks, n_ctx // 2)
     assert abs(i16 - f32) <= abs(float(llamacpp["ppl"]) - f32) / 10
+    assert abs(prefill - f32) <= abs(float(llamacpp["ppl"]) - f32) / 10

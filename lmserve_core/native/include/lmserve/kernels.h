@@ -38,6 +38,9 @@ int lm_isa_select(int isa);     /* LM_EISA if the CPU lacks it; process-wide */
 /* enum lm_decode_precision of the few-token products; process-wide, default LM_DECODE_I16. */
 int lm_decode_precision_active(void);
 int lm_decode_precision_select(int precision);
+/* enum lm_prefill_precision of the many-token products; process-wide, default LM_PREFILL_I16. */
+int lm_prefill_precision_active(void);
+int lm_prefill_precision_select(int precision);
 
 /* ------------------------------------------------------------------ rows */
 /* dst[0..n) = dequantized src row. */

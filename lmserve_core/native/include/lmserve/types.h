@@ -69,6 +69,11 @@ enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
  * instructions per weight; each value within max|group| / 65534 of the f32 one). */
 enum lm_decode_precision { LM_DECODE_F32 = 0, LM_DECODE_I16 = 1 };
 
+/* Activations of the many-token products (prefill, 32 tokens and more): f32 throughout, or
+ * int16 (as decode's) for the interleaved matrices, whose integer products outrun the f32
+ * GEMM; the other types keep the f32 GEMM either way. */
+enum lm_prefill_precision { LM_PREFILL_F32 = 0, LM_PREFILL_I16 = 1 };
+
 /* Query rows a forward pass of one sequence may have and still run decode's kernels: the
  * per-token attention path and the few-token products, which give each row the bits it gets
  * in a pass of its own. Speculative verification stays within it. */
