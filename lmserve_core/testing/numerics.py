@@ -150,23 +150,29 @@ def assert_greedy_matches(
     return got
 
 
-def check_int16_decode(
+def check_int16_products(
     model: Any, reference: Any, prompts: Sequence[Sequence[int]], atol: float
 ) -> None:
-    """The int16 decode path of a real model next to its transformers reference: for each
-    prompt, token-by-token logits within ``atol`` with the same top-1 everywhere, and greedy
-    continuations equal up to a near tie (``2 * atol``)."""
+    """The int16 paths of a real model next to its transformers reference: for each prompt,
+    token-by-token (decode) logits and the logits of the prompt read in one pass (prefill)
+    within ``atol`` with the same top-1 everywhere, and greedy continuations equal up to a
+    near tie (``2 * atol``)."""
     import torch
 
     for ids in prompts:
         with int16_products():
-            got = stepped_logits(model, ids)
+            got = {
+                "decode": stepped_logits(model, ids),
+                "prefill": model.forward(model.new_cache(len(ids)), list(ids), 0, all_logits=True),
+            }
         with torch.no_grad():
             want = reference(torch.tensor([list(ids)])).logits[0].float().numpy()
-        diff = np.abs(got - want)
-        print(f"int16 decode: {len(ids)} tokens, max |diff| {diff.max():.3g}, mean {diff.mean():.3g}")
-        assert diff.max() < atol
-        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+        for path, logits in got.items():
+            diff = np.abs(logits - want)
+            print(f"int16 {path}: {len(ids)} tokens, max |diff| {diff.max():.3g}, "
+                  f"mean {diff.mean():.3g}")
+            assert diff.max() < atol
+            assert (logits.argmax(axis=1) == want.argmax(axis=1)).all()
         with int16_products():
             assert_greedy_matches(model, reference, ids, 32, 2 * atol)
 

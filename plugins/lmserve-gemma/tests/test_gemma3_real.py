@@ -28,7 +28,7 @@ from lmserve_core.gguf_file import GGUFFile  # noqa: E402
 from lmserve_core.native import kernels  # noqa: E402
 from lmserve_core.testing.numerics import (  # noqa: E402
     check_batched_decode,
-    check_int16_decode,
+    check_int16_products,
     chunk_nll,
     f32_reference_path,  # noqa: F401 (an autouse fixture: f32 activations throughout)
     gguf_reference,
@@ -252,10 +252,10 @@ def test_greedy_continuation_matches_transformers(
 I16_DECODE_ATOL = 0.1
 
 
-def test_int16_decode_stays_near_transformers(
+def test_int16_products_stay_near_transformers(
     ours: Gemma3Model, reference: Any, tokenizer: Tokenizer
 ) -> None:
-    check_int16_decode(ours, reference, [prompt_ids(tokenizer, p) for p in PROMPTS], I16_DECODE_ATOL)
+    check_int16_products(ours, reference, [prompt_ids(tokenizer, p) for p in PROMPTS], I16_DECODE_ATOL)
 
 
 def test_int16_perplexity_stays_far_closer_than_llamacpp(
