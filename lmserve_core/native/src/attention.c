@@ -479,15 +479,19 @@ static void attn_tiled_task(void *arg, int task, int n_tasks, int thread) {
             const float *bq = c->bias == NULL ? NULL
                               : c->bias + ((jr / group) * c->n_head + h * group + jr % group) *
                                               c->bias_extent;
-            for (int64_t i = a; i <= b; i++) {
-                float sv = srow[i] * c->scale;
-                const int64_t d = pos[j] - (kbase + i);
-                if (bq != NULL && d >= 0 && d < c->bias_extent) sv += bq[d];
-                if (c->softcap > 0.0f) {
-                    sv = c->softcap * tanhf(sv / c->softcap);
+            if (bq == NULL && c->softcap <= 0.0f) { /* scaled only: one vector pass */
+                mx = k->scale_max(srow + a, c->scale, b - a + 1);
+            } else {
+                for (int64_t i = a; i <= b; i++) {
+                    float sv = srow[i] * c->scale;
+                    const int64_t d = pos[j] - (kbase + i);
+                    if (bq != NULL && d >= 0 && d < c->bias_extent) sv += bq[d];
+                    if (c->softcap > 0.0f) {
+                        sv = c->softcap * tanhf(sv / c->softcap);
+                    }
+                    srow[i] = sv;
+                    mx = sv > mx ? sv : mx;
                 }
-                srow[i] = sv;
-                mx = sv > mx ? sv : mx;
             }
             const float inv = 1.0f / k->exp_sum(srow + a, b - a + 1, mx);
             if (k->pack_nr != NULL) { /* the row in place, transposed below with the others */

@@ -422,6 +422,9 @@ typedef struct {
     float (*dot_f32)(const float *a, const float *b, int64_t n);
     void (*axpy_f32)(float *y, float a, const float *x, int64_t n); /* y += a * x */
     void (*scale_f32)(float *y, float a, int64_t n);                /* y *= a */
+    /* y *= a (each y[i] * a, rounded once), and the largest of the new y (NaNs skipped;
+     * -inf when there is none) */
+    float (*scale_max)(float *y, float a, int64_t n);
     /* x[i] = exp(x[i] - mx) (exactly 0 far below mx); returns the sum */
     float (*exp_sum)(float *x, int64_t n, float mx);
     void (*silu_mul)(float *out, const float *gate, const float *up, int64_t n);

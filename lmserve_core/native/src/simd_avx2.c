@@ -526,6 +526,27 @@ T256 static void y_vscale_f32(float *y, float a, int64_t n) {
     }
 }
 
+/* max_ps(v, m) is m where v is NaN: NaNs are skipped, as the portable loop skips them */
+T256 static float y_scale_max(float *y, float a, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_mul_ps(va, _mm256_loadu_ps(y + i));
+        _mm256_storeu_ps(y + i, v);
+        mx = _mm256_max_ps(v, mx);
+    }
+    __attribute__((aligned(32))) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    float best = -INFINITY;
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    for (; i < n; i++) {
+        y[i] *= a;
+        best = y[i] > best ? y[i] : best;
+    }
+    return best;
+}
+
 /* ------------------------------------------------------------------ exp and activations
  * Same expf as the AVX-512 path; 2^n is built in the exponent bits (n in [-126, 127]). */
 T256 static inline __m256 y_exp(__m256 x) {
@@ -1331,6 +1352,7 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->dot_f32 = y_vdot_f32;
     k->axpy_f32 = y_vaxpy_f32;
     k->scale_f32 = y_vscale_f32;
+    k->scale_max = y_scale_max;
     k->exp_sum = y_exp_sum;
     k->silu_mul = y_silu_mul;
     k->gelu_mul = y_gelu_mul;

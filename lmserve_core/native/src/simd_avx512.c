@@ -556,6 +556,25 @@ T512 static void z_vscale_f32(float *y, float a, int64_t n) {
     }
 }
 
+/* max_ps(v, m) is m where v is NaN: NaNs are skipped, as the portable loop skips them */
+T512 static float z_scale_max(float *y, float a, int64_t n) {
+    const __m512 va = _mm512_set1_ps(a);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_mul_ps(va, _mm512_loadu_ps(y + i));
+        _mm512_storeu_ps(y + i, v);
+        mx = _mm512_max_ps(v, mx);
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        const __m512 v = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, y + i));
+        _mm512_mask_storeu_ps(y + i, m, v);
+        mx = _mm512_mask_max_ps(mx, m, v, mx);
+    }
+    return _mm512_reduce_max_ps(mx);
+}
+
 /* ------------------------------------------------------------------ exp and activations
  * Cephes-style expf: n = round(x log2 e), r = x - n ln 2 (two-part), degree-6 polynomial,
  * times 2^n; about 1 ulp. Inputs below -87.3 give exactly 0 (masked logits stay 0). */
@@ -1013,6 +1032,7 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->dot_f32 = z_vdot_f32;
     k->axpy_f32 = z_vaxpy_f32;
     k->scale_f32 = z_vscale_f32;
+    k->scale_max = z_scale_max;
     k->exp_sum = z_exp_sum;
     k->qk_scores_n = z_qk_scores_n;
     k->pv_sum_n = z_pv_sum_n;

@@ -326,6 +326,15 @@ static void p_scale_f32(float *y, float a, int64_t n) {
     }
 }
 
+static float p_scale_max(float *y, float a, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        y[i] *= a;
+        mx = y[i] > mx ? y[i] : mx;
+    }
+    return mx;
+}
+
 static float p_exp_sum(float *x, int64_t n, float mx) {
     float acc[8] = {0};
     int64_t i = 0;
@@ -461,6 +470,7 @@ void lm_kernels_portable(lm_kernels *k) {
     k->dot_f32 = p_dot_f32;
     k->axpy_f32 = p_axpy_f32;
     k->scale_f32 = p_scale_f32;
+    k->scale_max = p_scale_max;
     k->exp_sum = p_exp_sum;
     k->silu_mul = p_silu_mul;
     k->gelu_mul = p_gelu_mul;
