@@ -13,7 +13,7 @@ from lmserve_core.native import kernels as K
 pytestmark = pytest.mark.usefixtures("restore_isa")
 
 QT = K.QuantType
-R16_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+R16_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
 ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
 
 
@@ -24,7 +24,8 @@ def r16(qtype: QT) -> int:
 @pytest.fixture(params=R16_TYPES, ids=lambda t: t.name)
 def matrix(request, rng) -> tuple[QT, np.ndarray, np.ndarray, int, int]:
     """(type, GGML bytes, interleaved bytes, rows, cols)."""
-    qtype, rows, cols = request.param, 48, 320
+    qtype, rows = request.param, 48
+    cols = 512 if K.block_elems(qtype) == 256 else 320
     raw = make_rows(qtype, rows, cols, rng)
     return qtype, raw, K.repack_r16(qtype, raw, rows, cols), rows, cols
 
@@ -100,11 +101,11 @@ def test_a_tokens_outputs_do_not_depend_on_the_batch_or_the_threads(matrix, isa,
 
 
 def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
-    """Q4_0 and Q8_0 read only the activations' integers and steps, which every ISA
+    """Q4_0, Q8_0 and Q6_K read only the activations' integers and steps, which every ISA
     quantizes to the same bits: so their outputs are bit for bit the portable ones, whether
     a kernel multiplies the few tokens' bytes or the more tokens' words."""
     K.select_decode_precision(K.DecodePrecision.I16)
-    for qtype in (QT.Q4_0, QT.Q8_0):
+    for qtype in (QT.Q4_0, QT.Q8_0, QT.Q6_K):
         rows, cols = 32, 1024
         raw = make_rows(qtype, rows, cols, rng)
         if qtype == QT.Q8_0:  # the bytes' extremes, against x's (each group's +-32767)
@@ -114,7 +115,7 @@ def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
         packed = K.repack_r16(qtype, raw, rows, cols)
         x = rng.standard_normal((8, cols), dtype=np.float32)
         x[:, ::64] = np.float32(-40.0)  # a low byte of 1 under a high byte of -128
-        for ntok in (1, 2, 3, 4, 5, 8):
+        for ntok in range(1, 16):
             with K.use_isa(K.Isa.PORTABLE):
                 want = K.matmul(r16(qtype), packed, rows, cols, x[:ntok])
             for isa in ISAS:
@@ -176,3 +177,42 @@ def test_a_matrix_is_cut_only_at_whole_groups(rng) -> None:
     assert int(ffi.cast("uintptr_t", lib.lm_matrix_rows(g, 8, cols).data)) == (
         int(ffi.cast("uintptr_t", buf)) + 8 * 68
     )
+
+
+def test_q4_k_applies_its_factors_and_mins_as_the_portable_products_do(rng) -> None:
+    """Q4_K's mins multiply each group's float sum, whose rounding is each ISA's own: with
+    inputs whose group sums are exact in any order, every ISA's outputs are the portable
+    ones bit for bit, for every token count of a pass and for any thread count."""
+    K.select_decode_precision(K.DecodePrecision.I16)
+    rows, cols = 48, 1024
+    raw = make_rows(QT.Q4_K, rows, cols, rng)
+    raw.reshape(-1, 144)[::3, 4:16] = 0xFF  # the largest scales and mins
+    packed = K.repack_r16(QT.Q4_K, raw, rows, cols)
+    x = (rng.integers(-64, 65, (15, cols)) * 0.25).astype(np.float32)
+    x[:, ::64] = np.float32(-40.0)
+    for ntok in range(1, 16):
+        with K.use_isa(K.Isa.PORTABLE):
+            want = K.matmul(r16(QT.Q4_K), packed, rows, cols, x[:ntok])
+        for isa in ISAS:
+            with K.use_isa(isa):
+                for threads in (1, 2, 3):
+                    with K.Pool(threads) as pool:
+                        got = K.matmul(r16(QT.Q4_K), packed, rows, cols, x[:ntok], pool=pool)
+                    np.testing.assert_array_equal(got, want, err_msg=f"{isa.name} {ntok} {threads}")
+
+
+def test_super_block_layouts_keep_each_rows_bytes(rng) -> None:
+    """Q4_K and Q6_K per 16 rows and super-block: the rows' f16 factors in turn, their
+    scales, then their integers; the same bytes as the 16 GGUF blocks."""
+    for qtype in (QT.Q4_K, QT.Q6_K):
+        raw = make_rows(qtype, 16, 256, rng)
+        packed = K.repack_r16(qtype, raw, 16, 256)
+        assert packed.nbytes == raw.nbytes
+        d = raw[:, 0:2] if qtype == QT.Q4_K else raw[:, 208:210]
+        assert packed[:32].tobytes() == np.ascontiguousarray(d).tobytes()
+        if qtype == QT.Q4_K:  # dmin, then the packed scales as 3 words of the 16 rows
+            assert packed[32:64].tobytes() == np.ascontiguousarray(raw[:, 2:4]).tobytes()
+            words = raw[:, 4:16].reshape(16, 3, 4).transpose(1, 0, 2)
+            assert packed[64:256].tobytes() == np.ascontiguousarray(words).tobytes()
+        else:  # the int8 scales, scale i of the 16 rows together
+            assert packed[32:288].tobytes() == np.ascontiguousarray(raw[:, 192:208].T).tobytes()

@@ -329,7 +329,6 @@ DEF_ZPANEL(q4_0, r16_q4_0)
 DEF_ZPANEL(q4_1, r16_q4_1)
 DEF_ZPANEL(q8_0, r16_q8_0)
 #undef DEF_ZPANEL
-#undef TVBMI
 
 /* ------------------------------------------------------------------ super-blocks
  * Q4_K and Q6_K multiply bytes for every token count: a sub-block's tile rows are unpacked
@@ -539,6 +538,73 @@ TVNNI static void z_dotq_r16_q6_K(const void *w, int64_t ng, const lm_xq *x, int
 }
 #undef Z_K_SPLIT
 
+/* tile bytes of 16 rows x 4 elements (t: element j of the 16 rows in 128-bit lane j) into
+ * 4 rows of the panel from `at`: q * f, then - m for Q4_K */
+TVBMI static inline void z_panel_tile(__m512i t, __m512 f, __m512 m, int mins, float *at,
+                                      int64_t lda) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+        const __m128i q = _mm512_extracti32x4_epi32(t, j);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), f);
+        if (mins) v = _mm512_sub_ps(v, m);
+        _mm512_storeu_ps(at + j * lda, v);
+    }
+}
+
+#define Z_PANEL_IDX                                                                                \
+    _mm512_set_epi8(63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3, 62, 58, 54, 50,  \
+                    46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2, 61, 57, 53, 49, 45, 41, 37, 33,  \
+                    29, 25, 21, 17, 13, 9, 5, 1, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16,   \
+                    12, 8, 4, 0)
+
+TVBMI static void z_panel_r16_q4_K(const void *w, int64_t cols, float *a, int64_t lda) {
+    const r16_q4_K *col = w;
+    const __m512i idx = Z_PANEL_IDX;
+    for (int64_t b = 0; b < cols / QKK; b++) {
+        const r16_q4_K *c = col + b;
+        __m512i o[4];
+        z_q4K_unpack(c, o);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->dmin));
+        for (int j = 0; j < 8; j++) {
+            const __m512 f = z_q4K_byte(o, j, d), m = z_q4K_byte(o, 8 + j, dm);
+            for (int k = 0; k < 4; k++) {
+                __m512i r[2];
+                z_r16_rows_q4(c->qs + 256 * j, k, &r[0], &r[1]);
+                for (int h = 0; h < 2; h++) {
+                    z_panel_tile(_mm512_permutexvar_epi8(idx, r[h]), f, m, 1,
+                                 a + (QKK * b + 32 * j + 8 * k + 4 * h) * lda, lda);
+                }
+            }
+        }
+    }
+}
+
+TVBMI static void z_panel_r16_q6_K(const void *w, int64_t cols, float *a, int64_t lda) {
+    const r16_q6_K *col = w;
+    const __m512i idx = Z_PANEL_IDX;
+    const __m512i off = _mm512_set1_epi8(32);
+    for (int64_t b = 0; b < cols / QKK; b++) {
+        const r16_q6_K *c = col + b;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+        for (int i = 0; i < QKK / 16; i++) {
+            const __m512 f = _mm512_mul_ps(
+                d, _mm512_cvtepi32_ps(
+                       _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c->sc[i]))));
+            const __m512i qh = _mm512_loadu_si512(c->qh[i]);
+            for (int h = 0; h < 2; h++) {
+                __m512i r[2];
+                z_q6K_rows(c, qh, i, h, &r[0], &r[1]);
+                for (int s = 0; s < 2; s++) {
+                    const __m512i q = _mm512_sub_epi8(r[s], off);
+                    z_panel_tile(_mm512_permutexvar_epi8(idx, q), f, f, 0,
+                                 a + (QKK * b + 16 * i + 8 * h + 4 * s) * lda, lda);
+                }
+            }
+        }
+    }
+}
+#undef Z_PANEL_IDX
+
 void lm_kernels_r16_avx512(lm_kernels *k) {
     k->dotq_r16[LM_Q4_0_R16] = z_dotq_r16_q4_0;
     k->dotq_r16[LM_Q4_1_R16] = z_dotq_r16_q4_1;
@@ -550,6 +616,8 @@ void lm_kernels_r16_avx512(lm_kernels *k) {
         k->panel_r16[LM_Q4_0_R16] = z_panel_r16_q4_0;
         k->panel_r16[LM_Q4_1_R16] = z_panel_r16_q4_1;
         k->panel_r16[LM_Q8_0_R16] = z_panel_r16_q8_0;
+        k->panel_r16[LM_Q4_K_R16] = z_panel_r16_q4_K;
+        k->panel_r16[LM_Q6_K_R16] = z_panel_r16_q6_K;
     }
     k->dotq_r16[LM_Q4_K_R16] = z_dotq_r16_q4_K;
     k->dotq_r16[LM_Q6_K_R16] = z_dotq_r16_q6_K;
@@ -559,6 +627,7 @@ void lm_kernels_r16_avx512(lm_kernels *k) {
 }
 
 #undef TVNNI
+#undef TVBMI
 #undef R16_AHEAD
 #undef Z_R16_BYTE_TOKENS
 #undef Z_R16_C_q4_0
