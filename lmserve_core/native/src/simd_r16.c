@@ -16,6 +16,9 @@
  * have the same bits. A plain decode step's products (one token) no longer widen the
  * weights, and no token's sums need the fold's shuffles.
  */
+#include <math.h>
+#include <stdlib.h>
+
 #include "lm_internal.h"
 
 #if LM_HAVE_X86
@@ -462,9 +465,16 @@ z_q6K_body(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int 
     const int64_t K = x->n, nb = K / QKK;
     const uint8_t *lo[8], *hi[8];
     const float *ds[8];
-    /* -32 times each token's sum of x over each sub-block of 16 */
-    int32_t (*xs)[K / 16] = lm_aligned_alloc((size_t)NT * (size_t)(K / 16) * sizeof(int32_t));
-    if (xs == NULL) return;
+    /* -32 times each token's sum of x over each sub-block of 16 (rows up to 16384 columns
+     * on the stack) */
+    int32_t stack[8 * 1024];
+    const size_t n_xs = (size_t)NT * (size_t)(K / 16);
+    int32_t(*xs)[K / 16] = n_xs <= 8 * 1024 ? (void *)stack : malloc(n_xs * sizeof(int32_t));
+    if (xs == NULL) {
+        for (int t = 0; t < NT; t++)
+            for (int64_t r = 0; r < 16 * ng; r++) y[t * ldy + r] = NAN;
+        return;
+    }
     for (int t = 0; t < NT; t++) {
         lo[t] = x->b + (t0 + t) * LM_BYTE_COLS(K);
         hi[t] = lo[t] + K;
@@ -528,7 +538,7 @@ z_q6K_body(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int 
         }
         for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);
     }
-    lm_aligned_free(xs);
+    if ((void *)xs != (void *)stack) free(xs);
 }
 
 TVNNI static void z_dotq_r16_q6_K(const void *w, int64_t ng, const lm_xq *x, int64_t t0, int nt,
