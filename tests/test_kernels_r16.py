@@ -101,11 +101,11 @@ def test_a_tokens_outputs_do_not_depend_on_the_batch_or_the_threads(matrix, isa,
 
 
 def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
-    """Q4_0, Q8_0 and Q6_K read only the activations' integers and steps, which every ISA
+    """Q4_0 and Q8_0 read only the activations' integers and steps, which every ISA
     quantizes to the same bits: so their outputs are bit for bit the portable ones, whether
     a kernel multiplies the few tokens' bytes or the more tokens' words."""
     K.select_decode_precision(K.DecodePrecision.I16)
-    for qtype in (QT.Q4_0, QT.Q8_0, QT.Q6_K):
+    for qtype in (QT.Q4_0, QT.Q8_0):
         rows, cols = 32, 1024
         raw = make_rows(qtype, rows, cols, rng)
         if qtype == QT.Q8_0:  # the bytes' extremes, against x's (each group's +-32767)
@@ -115,7 +115,7 @@ def test_every_isa_applies_the_factors_as_the_portable_products_do(rng) -> None:
         packed = K.repack_r16(qtype, raw, rows, cols)
         x = rng.standard_normal((8, cols), dtype=np.float32)
         x[:, ::64] = np.float32(-40.0)  # a low byte of 1 under a high byte of -128
-        for ntok in range(1, 16):
+        for ntok in (1, 2, 3, 4, 5, 8):
             with K.use_isa(K.Isa.PORTABLE):
                 want = K.matmul(r16(qtype), packed, rows, cols, x[:ntok])
             for isa in ISAS:
@@ -179,25 +179,32 @@ def test_a_matrix_is_cut_only_at_whole_groups(rng) -> None:
     )
 
 
-def test_q4_k_applies_its_factors_and_mins_as_the_portable_products_do(rng) -> None:
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_super_blocks_apply_their_factors_as_the_portable_products_do(qtype, rng) -> None:
     """Q4_K's mins multiply each group's float sum, whose rounding is each ISA's own: with
     inputs whose group sums are exact in any order, every ISA's outputs are the portable
-    ones bit for bit, for every token count of a pass and for any thread count."""
+    ones bit for bit (Q6_K's are for any input), for every token count up to 15, passes of
+    several kernel calls (up to 31 tokens) and any thread count."""
     K.select_decode_precision(K.DecodePrecision.I16)
     rows, cols = 48, 1024
-    raw = make_rows(QT.Q4_K, rows, cols, rng)
-    raw.reshape(-1, 144)[::3, 4:16] = 0xFF  # the largest scales and mins
-    packed = K.repack_r16(QT.Q4_K, raw, rows, cols)
-    x = (rng.integers(-64, 65, (15, cols)) * 0.25).astype(np.float32)
+    raw = make_rows(qtype, rows, cols, rng)
+    if qtype == QT.Q4_K:
+        raw.reshape(-1, 144)[::3, 4:16] = 0xFF  # the largest scales and mins
+    else:  # the extreme scales and 6-bit values
+        blocks = raw.reshape(-1, 210)
+        blocks[::3, 192:208] = np.array([-128, 127], np.int8).view(np.uint8)[rng.integers(0, 2, 16)]
+        blocks[1::3, :192] = rng.choice(np.array([0x00, 0xFF], np.uint8), (blocks[1::3].shape[0], 192))
+    packed = K.repack_r16(qtype, raw, rows, cols)
+    x = (rng.integers(-64, 65, (31, cols)) * 0.25).astype(np.float32)
     x[:, ::64] = np.float32(-40.0)
-    for ntok in range(1, 16):
+    for ntok in [*range(1, 16), 16, 24, 31]:
         with K.use_isa(K.Isa.PORTABLE):
-            want = K.matmul(r16(QT.Q4_K), packed, rows, cols, x[:ntok])
+            want = K.matmul(r16(qtype), packed, rows, cols, x[:ntok])
         for isa in ISAS:
             with K.use_isa(isa):
                 for threads in (1, 2, 3):
                     with K.Pool(threads) as pool:
-                        got = K.matmul(r16(QT.Q4_K), packed, rows, cols, x[:ntok], pool=pool)
+                        got = K.matmul(r16(qtype), packed, rows, cols, x[:ntok], pool=pool)
                     np.testing.assert_array_equal(got, want, err_msg=f"{isa.name} {ntok} {threads}")
 
 
