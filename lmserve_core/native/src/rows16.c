@@ -51,28 +51,41 @@ static int u_of_q6_K(const block_q6_K *b, int e) {
     return ((k < 2 ? ql & 0x0F : ql >> 4) | (((qh >> (2 * k)) & 3) << 4));
 }
 
+/* The 4 nibbles u[0..3] of row n in tile row R (tile bytes 4n .. 4n + 3): two packed bytes
+ * (lm_r16_nibble_at of p = 4n + j is 2 (n % 4) + j / 2 past the pair's first byte). */
+static void put_quad(uint8_t *qs, int R, int n, const int u[4]) {
+    uint8_t *at = qs + 64 * (R / 2) + 16 * (n / 4) + 8 * (R & 1) + 2 * (n % 4);
+    at[0] = (uint8_t)((u[0] & 0x0F) | (u[1] & 0x0F) << 4);
+    at[1] = (uint8_t)((u[2] & 0x0F) | (u[3] & 0x0F) << 4);
+}
+
 /* Rows 16g .. 16g + 15 of a Q4_K / Q6_K matrix (nb super-blocks a row, rb bytes) into dst. */
 static void repack_k(int from, const uint8_t *s, int64_t rb, int64_t nb, uint8_t *dst) {
     for (int64_t b = 0; b < nb; b++) {
         for (int n = 0; n < R16; n++) {
             const uint8_t *blk = s + n * rb + b * lm_type_block_bytes(from);
+            int u[QKK];
             if (from == LM_Q4_K) {
                 r16_q4_K *c = (r16_q4_K *)dst + b;
                 const block_q4_K *q = (const block_q4_K *)blk;
                 c->d[n] = q->d;
                 c->dmin[n] = q->dmin;
                 for (int w = 0; w < 3; w++) memcpy(&c->sc[w][n], q->scales + 4 * w, 4);
-                for (int e = 0; e < QKK; e++)
-                    put_nibble(c->qs, e / 4, 4 * n + e % 4, u_of_q4_K(q, e));
+                for (int e = 0; e < QKK; e++) u[e] = u_of_q4_K(q, e);
+                for (int R = 0; R < QKK / 4; R++) put_quad(c->qs, R, n, u + 4 * R);
             } else {
                 r16_q6_K *c = (r16_q6_K *)dst + b;
                 const block_q6_K *q = (const block_q6_K *)blk;
                 c->d[n] = q->d;
                 for (int i = 0; i < QKK / 16; i++) c->sc[i][n] = q->scales[i];
-                for (int e = 0; e < QKK; e++) {
-                    const int u = u_of_q6_K(q, e), R = e / 4, p = 4 * n + e % 4;
-                    put_nibble(c->ql, R, p, u);
-                    c->qh[R / 4][p] |= (uint8_t)((u >> 4) << (2 * (R % 4)));
+                for (int e = 0; e < QKK; e++) u[e] = u_of_q6_K(q, e);
+                for (int R = 0; R < QKK / 4; R++) put_quad(c->ql, R, n, u + 4 * R);
+                for (int i = 0; i < QKK / 16; i++) {
+                    for (int j = 0; j < 4; j++) {
+                        int h = 0;
+                        for (int t = 0; t < 4; t++) h |= (u[16 * i + 4 * t + j] >> 4) << (2 * t);
+                        c->qh[i][4 * n + j] = (uint8_t)h;
+                    }
                 }
             }
         }
@@ -88,7 +101,6 @@ int lm_repack_r16(int from, const void *src, int to, void *dst, int64_t rows, in
         return LM_EINVAL;
     }
     if (from == LM_Q4_K || from == LM_Q6_K) {
-        memset(dst, 0, (size_t)(rows * rb));
         for (int64_t g = 0; g < rows / R16; g++) {
             repack_k(from, (const uint8_t *)src + g * R16 * rb, rb, cols / QKK,
                      (uint8_t *)dst + g * R16 * rb);
