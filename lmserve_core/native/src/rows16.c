@@ -140,7 +140,8 @@ int lm_repack_r16(int from, const void *src, int to, void *dst, int64_t rows, in
 }
 
 int lm_r16_for(int type) {
-    if (!lm_kernels_active()->r16_fast) {
+    const lm_kernels *k = lm_kernels_active();
+    if (!k->r16_fast) {
         return 0;
     }
     switch (type) {
@@ -150,10 +151,12 @@ int lm_r16_for(int type) {
         return LM_Q4_1_R16;
     case LM_Q8_0:
         return LM_Q8_0_R16;
+    /* the super-blocks only where the GEMM reads their panels directly: a row's portable
+     * decoding would cost prefill more than the products gain */
     case LM_Q4_K:
-        return LM_Q4_K_R16;
+        return k->panel_r16[LM_Q4_K_R16] != NULL ? LM_Q4_K_R16 : 0;
     case LM_Q6_K:
-        return LM_Q6_K_R16;
+        return k->panel_r16[LM_Q6_K_R16] != NULL ? LM_Q6_K_R16 : 0;
     default:
         return 0;
     }

@@ -368,8 +368,8 @@ TVNNI static inline void z_q6K_rows(const r16_q6_K *c, __m512i qh, int i, int h,
     z_r16_rows_q4(c->ql, 2 * i + h, u0, u1);
     const __m512i a = h ? qh : _mm512_slli_epi16(qh, 4);
     const __m512i b = h ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2);
-    *u0 = _mm512_or_si512(*u0, _mm512_and_si512(a, m));
-    *u1 = _mm512_or_si512(*u1, _mm512_and_si512(b, m));
+    *u0 = _mm512_ternarylogic_epi32(*u0, a, m, 0xF8); /* u0 | (a & m) */
+    *u1 = _mm512_ternarylogic_epi32(*u1, b, m, 0xF8);
 }
 
 #define Z_DOTQ_NT_SWITCH(body)                                                                     \
