@@ -154,7 +154,8 @@ typedef struct {
     lm_half d[R16];
     int8_t sc[QKK / 16][R16];  /* scale i of row n */
     uint8_t ql[R16 * QKK / 2]; /* low nibbles of the 6-bit values, packed as r16_q4_1's */
-    uint8_t qh[QKK / 16][64];  /* bits 4, 5 of byte p of tile row 4i + s: bits 2s, 2s + 1 of qh[i][p] */
+    uint8_t qh[QKK / 16][64];  /* bits 2s, 2s + 1 of qh[i][p]: bits 4, 5 of byte p of
+                                * tile row 4i + s */
 } r16_q6_K;                    /* 3360 bytes: 16 x 210 */
 
 _Static_assert(sizeof(r16_q4_0) == R16 * sizeof(block_q4_0), "r16 q4_0");

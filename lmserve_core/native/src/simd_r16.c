@@ -443,8 +443,8 @@ z_q4K_body(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int 
                         l = _mm512_add_epi32(l, l1[t]);
                     }
                     const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                             _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G])), acc[t]);
+                    const __m512 fd = _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G]));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), fd, acc[t]);
                     acc[t] = _mm512_fnmadd_ps(m, _mm512_set1_ps(ds[t][2 * G + 1]), acc[t]);
                 }
             }
@@ -531,8 +531,8 @@ z_q6K_body(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int 
                         l = _mm512_add_epi32(l, l1[t]);
                     }
                     const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                             _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G])), acc[t]);
+                    const __m512 fd = _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G]));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), fd, acc[t]);
                 }
             }
         }
