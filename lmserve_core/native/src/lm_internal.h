@@ -141,7 +141,26 @@ typedef struct {
     int8_t qs[R16 * QK];
 } r16_q8_0; /* 544 bytes: 16 x 34 */
 
+/* The super-blocks: per 16 rows and super-block of 256, the rows' factors, then their
+ * integers as 64 tile rows (tile row R: elements 4R .. 4R + 3 of each row in turn). */
+typedef struct {
+    lm_half d[R16];
+    lm_half dmin[R16];
+    uint32_t sc[3][R16];       /* word w (bytes 4w .. 4w + 3) of row n's 12 packed scales */
+    uint8_t qs[R16 * QKK / 2]; /* 64 tile rows of nibbles, packed as r16_q4_1's */
+} r16_q4_K;                    /* 2304 bytes: 16 x 144 */
+
+typedef struct {
+    lm_half d[R16];
+    int8_t sc[QKK / 16][R16];  /* scale i of row n */
+    uint8_t ql[R16 * QKK / 2]; /* low nibbles of the 6-bit values, packed as r16_q4_1's */
+    uint8_t qh[QKK / 16][64];  /* bits 2s, 2s + 1 of qh[i][p]: bits 4, 5 of byte p of
+                                * tile row 4i + s */
+} r16_q6_K;                    /* 3360 bytes: 16 x 210 */
+
 _Static_assert(sizeof(r16_q4_0) == R16 * sizeof(block_q4_0), "r16 q4_0");
+_Static_assert(sizeof(r16_q4_K) == R16 * sizeof(block_q4_K), "r16 q4_K");
+_Static_assert(sizeof(r16_q6_K) == R16 * sizeof(block_q6_K), "r16 q6_K");
 _Static_assert(sizeof(r16_q4_1) == R16 * sizeof(block_q4_1), "r16 q4_1");
 _Static_assert(sizeof(r16_q8_0) == R16 * sizeof(block_q8_0), "r16 q8_0");
 
@@ -151,6 +170,8 @@ static inline int lm_r16_base(int type) {
     case LM_Q4_0_R16:
     case LM_Q4_1_R16:
     case LM_Q8_0_R16:
+    case LM_Q4_K_R16:
+    case LM_Q6_K_R16:
         return type - 64;
     default:
         return -1;
@@ -460,6 +481,8 @@ void lm_kernels_portable_r16(lm_kernels *k);
 #if LM_HAVE_X86
 void lm_kernels_avx2(lm_kernels *k);
 void lm_kernels_avx512(lm_kernels *k);
+/* Factors of row n of a r16_q4_K column: f[j] = d * scale_j, m[j] = dmin * min_j (rows16.c). */
+void lm_r16_factors_q4_K(const void *col, int n, float f[8], float m[8]);
 /* The VNNI products of the interleaved layouts (simd_r16.c), part of the AVX-512 table. */
 void lm_kernels_r16_avx512(lm_kernels *k);
 #endif
@@ -504,8 +527,8 @@ size_t lm_xq_bytes(int64_t ntok, int64_t cols);
 /* Quantize x (ntok, cols) into mem (lm_xq_bytes, 64-byte aligned) described by *xq. */
 void lm_quantize_acts(const lm_kernels *k, const float *x, int64_t ntok, int64_t cols, void *mem,
                       lm_xq *xq);
-/* The two halves of lm_quantize_acts: *xq pointed into mem (the few-token kernels' copies
- * only below LM_GEMM_MIN_TOKENS), then tokens [t0, t1) of x quantized into it. */
+/* The two halves of lm_quantize_acts: *xq pointed into mem (the quads only below
+ * LM_GEMM_MIN_TOKENS), then tokens [t0, t1) of x quantized into it. */
 void lm_xq_layout(const lm_kernels *k, int64_t ntok, int64_t cols, void *mem, lm_xq *xq);
 void lm_xq_fill(const lm_kernels *k, const float *x, int64_t t0, int64_t t1, lm_xq *xq);
 /* lm_quantize_acts on the acquired pool (or inline when NULL), tokens split between tasks. */

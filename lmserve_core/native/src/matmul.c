@@ -85,7 +85,7 @@ static void dot_rows_r16(const lm_kernels *k, int type, const uint8_t *w, int64_
         return;
     }
     enum { PIECE = 256 }; /* elements of a row decoded at a time */
-    const int64_t bb = lm_type_block_bytes(type);
+    const int64_t bb = lm_type_block_bytes(type), be = lm_type_block_elems(type);
     float part[PIECE];
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *group = w + g * R16 * rb;
@@ -96,7 +96,7 @@ static void dot_rows_r16(const lm_kernels *k, int type, const uint8_t *w, int64_
             for (int64_t c0 = 0; c0 < cols; c0 += PIECE) {
                 const int64_t len = cols - c0 < PIECE ? cols - c0 : PIECE;
                 /* columns [c0, c0 + len) of a group are a group of len columns */
-                k->deq_r16[type](group + (c0 / QK) * R16 * bb, len, n, part);
+                k->deq_r16[type](group + (c0 / be) * R16 * bb, len, n, part);
                 for (int64_t t = 0; t < ntok; t++) {
                     y[t * rows + g * R16 + n] += k->dot_f32(part, x + t * cols + c0, len);
                 }

@@ -16,6 +16,9 @@
  * have the same bits. A plain decode step's products (one token) no longer widen the
  * weights, and no token's sums need the fold's shuffles.
  */
+#include <math.h>
+#include <stdlib.h>
+
 #include "lm_internal.h"
 
 #if LM_HAVE_X86
@@ -329,7 +332,288 @@ DEF_ZPANEL(q4_0, r16_q4_0)
 DEF_ZPANEL(q4_1, r16_q4_1)
 DEF_ZPANEL(q8_0, r16_q8_0)
 #undef DEF_ZPANEL
-#undef TVBMI
+
+/* ------------------------------------------------------------------ super-blocks
+ * Q4_K and Q6_K multiply bytes for every token count: a sub-block's tile rows are unpacked
+ * once for the pass's tokens, and each token's sums are of four products a lane, with no
+ * fold. Q4_K's nibbles are unsigned, so they need no offset; Q6_K's 6 bits u = q + 32 are
+ * multiplied as they are and 32 times the sub-block's sum of x taken back out (the low
+ * sums start from it). A sub-block's sums are exact, and its factors apply as rows16.c's. */
+
+/* 16 rows' scale j (0..7) or min j (8..15) of a Q4_K column, from its words unpacked as
+ * lm_kq_unpack: o[0] scales 0..3, o[1] scales 4..7, o[2] mins 0..3, o[3] mins 4..7 */
+TVNNI static inline void z_q4K_unpack(const r16_q4_K *c, __m512i o[4]) {
+    const __m512i w0 = _mm512_loadu_si512(c->sc[0]), w1 = _mm512_loadu_si512(c->sc[1]);
+    const __m512i w2 = _mm512_loadu_si512(c->sc[2]);
+    const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4 = _mm512_set1_epi32(0x0f0f0f0f);
+    const __m512i m2 = _mm512_set1_epi32(0x03030303);
+    o[0] = _mm512_and_si512(w0, m6);
+    o[1] = _mm512_or_si512(_mm512_and_si512(w2, m4),
+                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, 6), m2), 4));
+    o[2] = _mm512_and_si512(w1, m6);
+    o[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), m4),
+                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, 6), m2), 4));
+}
+
+TVNNI static inline __m512 z_q4K_byte(const __m512i o[4], int j, __m512 scale) {
+    const __m512i v = _mm512_and_si512(_mm512_srlv_epi32(o[j / 4], _mm512_set1_epi32(8 * (j % 4))),
+                                       _mm512_set1_epi32(0xFF));
+    return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(v));
+}
+
+/* tile rows 4i + 2h, 4i + 2h + 1 of a Q6_K column as their 6-bit values u (0..63) */
+TVNNI static inline void z_q6K_rows(const r16_q6_K *c, __m512i qh, int i, int h, __m512i *u0,
+                                    __m512i *u1) {
+    const __m512i m = _mm512_set1_epi8(0x30);
+    z_r16_rows_q4(c->ql, 2 * i + h, u0, u1);
+    const __m512i a = h ? qh : _mm512_slli_epi16(qh, 4);
+    const __m512i b = h ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2);
+    *u0 = _mm512_ternarylogic_epi32(*u0, a, m, 0xF8); /* u0 | (a & m) */
+    *u1 = _mm512_ternarylogic_epi32(*u1, b, m, 0xF8);
+}
+
+#define Z_DOTQ_NT_SWITCH(body)                                                                     \
+    switch (nt) {                                                                                  \
+    case 1: body(c, ng, x, t0, 1, y, ldy); break;                                                  \
+    case 2: body(c, ng, x, t0, 2, y, ldy); break;                                                  \
+    case 3: body(c, ng, x, t0, 3, y, ldy); break;                                                  \
+    case 4: body(c, ng, x, t0, 4, y, ldy); break;                                                  \
+    case 5: body(c, ng, x, t0, 5, y, ldy); break;                                                  \
+    case 6: body(c, ng, x, t0, 6, y, ldy); break;                                                  \
+    case 7: body(c, ng, x, t0, 7, y, ldy); break;                                                  \
+    default: body(c, ng, x, t0, 8, y, ldy); break;                                                 \
+    }
+
+/* A token's sums: two of each kind up to 4 tokens (chains of dependent products half as
+ * long), one past that (the registers) */
+#define Z_K_SPLIT(NT) ((NT) <= 4)
+
+TVNNI static inline __attribute__((always_inline)) void
+z_q4K_body(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT, float *y,
+           int64_t ldy) {
+    const int64_t K = x->n, nb = K / QKK;
+    const uint8_t *lo[8], *hi[8];
+    const float *ds[8];
+    for (int t = 0; t < NT; t++) {
+        lo[t] = x->b + (t0 + t) * LM_BYTE_COLS(K);
+        hi[t] = lo[t] + K;
+        ds[t] = x->ds + (t0 + t) * (K / 16);
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 acc[8];
+        for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const r16_q4_K *c = w + g * nb + b;
+            z_r16_prefetch(c, sizeof *c);
+            __m512i o[4];
+            z_q4K_unpack(c, o);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+            const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->dmin));
+            for (int j = 0; j < 8; j++) {
+                __m512i l0[8], l1[8], h0[8], h1[8];
+                for (int t = 0; t < NT; t++) {
+                    l0[t] = l1[t] = h0[t] = h1[t] = _mm512_setzero_si512();
+                }
+                for (int k = 0; k < 4; k++) {
+                    __m512i r0, r1;
+                    z_r16_rows_q4(c->qs + 256 * j, k, &r0, &r1);
+                    const int64_t e = QKK * b + 32 * j + 8 * k;
+                    for (int t = 0; t < NT; t++) {
+                        const __m512i x0 = _mm512_set1_epi32(z_r16_quad(lo[t] + e));
+                        const __m512i x1 = _mm512_set1_epi32(z_r16_quad(lo[t] + e + 4));
+                        const __m512i y0 = _mm512_set1_epi32(z_r16_quad(hi[t] + e));
+                        const __m512i y1 = _mm512_set1_epi32(z_r16_quad(hi[t] + e + 4));
+                        l0[t] = _mm512_dpbusd_epi32(l0[t], x0, r0);
+                        h0[t] = _mm512_dpbusd_epi32(h0[t], r0, y0);
+                        if (Z_K_SPLIT(NT)) {
+                            l1[t] = _mm512_dpbusd_epi32(l1[t], x1, r1);
+                            h1[t] = _mm512_dpbusd_epi32(h1[t], r1, y1);
+                        } else {
+                            l0[t] = _mm512_dpbusd_epi32(l0[t], x1, r1);
+                            h0[t] = _mm512_dpbusd_epi32(h0[t], r1, y1);
+                        }
+                    }
+                }
+                const __m512 f = z_q4K_byte(o, j, d), m = z_q4K_byte(o, 8 + j, dm);
+                const int64_t G = 8 * b + j;
+                for (int t = 0; t < NT; t++) {
+                    __m512i h = h0[t], l = l0[t];
+                    if (Z_K_SPLIT(NT)) {
+                        h = _mm512_add_epi32(h, h1[t]);
+                        l = _mm512_add_epi32(l, l1[t]);
+                    }
+                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                    const __m512 fd = _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G]));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), fd, acc[t]);
+                    acc[t] = _mm512_fnmadd_ps(m, _mm512_set1_ps(ds[t][2 * G + 1]), acc[t]);
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);
+    }
+}
+
+TVNNI static void z_dotq_r16_q4_K(const void *w, int64_t ng, const lm_xq *x, int64_t t0, int nt,
+                                  float *y, int64_t ldy) {
+    const r16_q4_K *c = w; /* x->b: this table quantizes x with its bytes */
+    Z_DOTQ_NT_SWITCH(z_q4K_body)
+}
+
+TVNNI static inline __attribute__((always_inline)) void
+z_q6K_body(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT, float *y,
+           int64_t ldy) {
+    const int64_t K = x->n, nb = K / QKK;
+    const uint8_t *lo[8], *hi[8];
+    const float *ds[8];
+    /* -32 times each token's sum of x over each sub-block of 16 (rows up to 16384 columns
+     * on the stack) */
+    int32_t stack[8 * 1024];
+    const size_t n_xs = (size_t)NT * (size_t)(K / 16);
+    int32_t(*xs)[K / 16] = n_xs <= 8 * 1024 ? (void *)stack : malloc(n_xs * sizeof(int32_t));
+    if (xs == NULL) {
+        for (int t = 0; t < NT; t++)
+            for (int64_t r = 0; r < 16 * ng; r++) y[t * ldy + r] = NAN;
+        return;
+    }
+    for (int t = 0; t < NT; t++) {
+        lo[t] = x->b + (t0 + t) * LM_BYTE_COLS(K);
+        hi[t] = lo[t] + K;
+        ds[t] = x->ds + (t0 + t) * (K / 16);
+        const int16_t *q = x->q + (t0 + t) * K;
+        for (int64_t i = 0; i < K / 16; i++) {
+            int32_t sum = 0;
+            for (int e = 0; e < 16; e++) sum += q[16 * i + e];
+            xs[t][i] = -32 * sum;
+        }
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 acc[8];
+        for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const r16_q6_K *c = w + g * nb + b;
+            z_r16_prefetch(c, sizeof *c);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+            for (int i = 0; i < QKK / 16; i++) {
+                const __m512i qh = _mm512_loadu_si512(c->qh[i]);
+                __m512i l0[8], l1[8], h0[8], h1[8];
+                for (int t = 0; t < NT; t++) {
+                    l0[t] = _mm512_set1_epi32(xs[t][16 * b + i]);
+                    l1[t] = h0[t] = h1[t] = _mm512_setzero_si512();
+                }
+                for (int h = 0; h < 2; h++) {
+                    __m512i u0, u1;
+                    z_q6K_rows(c, qh, i, h, &u0, &u1);
+                    const int64_t e = QKK * b + 16 * i + 8 * h;
+                    for (int t = 0; t < NT; t++) {
+                        const __m512i x0 = _mm512_set1_epi32(z_r16_quad(lo[t] + e));
+                        const __m512i x1 = _mm512_set1_epi32(z_r16_quad(lo[t] + e + 4));
+                        const __m512i y0 = _mm512_set1_epi32(z_r16_quad(hi[t] + e));
+                        const __m512i y1 = _mm512_set1_epi32(z_r16_quad(hi[t] + e + 4));
+                        l0[t] = _mm512_dpbusd_epi32(l0[t], x0, u0);
+                        h0[t] = _mm512_dpbusd_epi32(h0[t], u0, y0);
+                        if (Z_K_SPLIT(NT)) {
+                            l1[t] = _mm512_dpbusd_epi32(l1[t], x1, u1);
+                            h1[t] = _mm512_dpbusd_epi32(h1[t], u1, y1);
+                        } else {
+                            l0[t] = _mm512_dpbusd_epi32(l0[t], x1, u1);
+                            h0[t] = _mm512_dpbusd_epi32(h0[t], u1, y1);
+                        }
+                    }
+                }
+                const __m512 f = _mm512_mul_ps(
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                           _mm_loadu_si128((const __m128i *)c->sc[i]))));
+                const int64_t G = 8 * b + i / 2;
+                for (int t = 0; t < NT; t++) {
+                    __m512i h = h0[t], l = l0[t];
+                    if (Z_K_SPLIT(NT)) {
+                        h = _mm512_add_epi32(h, h1[t]);
+                        l = _mm512_add_epi32(l, l1[t]);
+                    }
+                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                    const __m512 fd = _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G]));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), fd, acc[t]);
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);
+    }
+    if ((void *)xs != (void *)stack) free(xs);
+}
+
+TVNNI static void z_dotq_r16_q6_K(const void *w, int64_t ng, const lm_xq *x, int64_t t0, int nt,
+                                  float *y, int64_t ldy) {
+    const r16_q6_K *c = w; /* x->b: this table quantizes x with its bytes */
+    Z_DOTQ_NT_SWITCH(z_q6K_body)
+}
+#undef Z_K_SPLIT
+
+/* tile bytes of 16 rows x 4 elements (t: element j of the 16 rows in 128-bit lane j) into
+ * 4 rows of the panel from `at`: q * f, then - m for Q4_K */
+TVBMI static inline void z_panel_tile(__m512i t, __m512 f, __m512 m, int mins, float *at,
+                                      int64_t lda) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+        const __m128i q = _mm512_extracti32x4_epi32(t, j);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), f);
+        if (mins) v = _mm512_sub_ps(v, m);
+        _mm512_storeu_ps(at + j * lda, v);
+    }
+}
+
+#define Z_PANEL_IDX                                                                                \
+    _mm512_set_epi8(63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3, 62, 58, 54, 50,  \
+                    46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2, 61, 57, 53, 49, 45, 41, 37, 33,  \
+                    29, 25, 21, 17, 13, 9, 5, 1, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16,   \
+                    12, 8, 4, 0)
+
+TVBMI static void z_panel_r16_q4_K(const void *w, int64_t cols, float *a, int64_t lda) {
+    const r16_q4_K *col = w;
+    const __m512i idx = Z_PANEL_IDX;
+    for (int64_t b = 0; b < cols / QKK; b++) {
+        const r16_q4_K *c = col + b;
+        __m512i o[4];
+        z_q4K_unpack(c, o);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->dmin));
+        for (int j = 0; j < 8; j++) {
+            const __m512 f = z_q4K_byte(o, j, d), m = z_q4K_byte(o, 8 + j, dm);
+            for (int k = 0; k < 4; k++) {
+                __m512i r[2];
+                z_r16_rows_q4(c->qs + 256 * j, k, &r[0], &r[1]);
+                for (int h = 0; h < 2; h++) {
+                    z_panel_tile(_mm512_permutexvar_epi8(idx, r[h]), f, m, 1,
+                                 a + (QKK * b + 32 * j + 8 * k + 4 * h) * lda, lda);
+                }
+            }
+        }
+    }
+}
+
+TVBMI static void z_panel_r16_q6_K(const void *w, int64_t cols, float *a, int64_t lda) {
+    const r16_q6_K *col = w;
+    const __m512i idx = Z_PANEL_IDX;
+    const __m512i off = _mm512_set1_epi8(32);
+    for (int64_t b = 0; b < cols / QKK; b++) {
+        const r16_q6_K *c = col + b;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+        for (int i = 0; i < QKK / 16; i++) {
+            const __m512 f = _mm512_mul_ps(
+                d, _mm512_cvtepi32_ps(
+                       _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c->sc[i]))));
+            const __m512i qh = _mm512_loadu_si512(c->qh[i]);
+            for (int h = 0; h < 2; h++) {
+                __m512i r[2];
+                z_q6K_rows(c, qh, i, h, &r[0], &r[1]);
+                for (int s = 0; s < 2; s++) {
+                    const __m512i q = _mm512_sub_epi8(r[s], off);
+                    z_panel_tile(_mm512_permutexvar_epi8(idx, q), f, f, 0,
+                                 a + (QKK * b + 16 * i + 8 * h + 4 * s) * lda, lda);
+                }
+            }
+        }
+    }
+}
+#undef Z_PANEL_IDX
 
 void lm_kernels_r16_avx512(lm_kernels *k) {
     k->dotq_r16[LM_Q4_0_R16] = z_dotq_r16_q4_0;
@@ -342,13 +626,18 @@ void lm_kernels_r16_avx512(lm_kernels *k) {
         k->panel_r16[LM_Q4_0_R16] = z_panel_r16_q4_0;
         k->panel_r16[LM_Q4_1_R16] = z_panel_r16_q4_1;
         k->panel_r16[LM_Q8_0_R16] = z_panel_r16_q8_0;
+        k->panel_r16[LM_Q4_K_R16] = z_panel_r16_q4_K;
+        k->panel_r16[LM_Q6_K_R16] = z_panel_r16_q6_K;
     }
+    k->dotq_r16[LM_Q4_K_R16] = z_dotq_r16_q4_K;
+    k->dotq_r16[LM_Q6_K_R16] = z_dotq_r16_q6_K;
     k->bytes_x16 = z_bytes_x16;
     k->r16_tokens = LM_DOTQ_TOKENS;
     k->r16_fast = 1;
 }
 
 #undef TVNNI
+#undef TVBMI
 #undef R16_AHEAD
 #undef Z_R16_BYTE_TOKENS
 #undef Z_R16_C_q4_0

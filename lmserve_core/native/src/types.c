@@ -25,6 +25,8 @@ int64_t lm_type_block_elems(int type) {
     case LM_Q4_K:
     case LM_Q5_K:
     case LM_Q6_K:
+    case LM_Q4_K_R16:
+    case LM_Q6_K_R16:
         return QKK;
     case LM_Q2_0:
         return QK2;
@@ -56,10 +58,12 @@ int64_t lm_type_block_bytes(int type) {
     case LM_Q8_0_R16:
         return sizeof(block_q8_0);
     case LM_Q4_K:
+    case LM_Q4_K_R16:
         return sizeof(block_q4_K);
     case LM_Q5_K:
         return sizeof(block_q5_K);
     case LM_Q6_K:
+    case LM_Q6_K_R16:
         return sizeof(block_q6_K);
     case LM_Q2_0:
         return sizeof(block_q2_0);

@@ -57,10 +57,18 @@ enum lm_type {
 /* Layouts lmserve rewrites matrices into (never a GGUF's type): the same blocks, 16 rows
  * interleaved. Each run of 16 rows is stored block column by block column; the block column
  * b of rows 16g .. 16g + 15 holds the 16 scales (and mins), then the 512 integers ordered as
- * 8 rows of 64 bytes, row R holding elements 4R .. 4R + 3 of each of the 16 rows in turn. A matrix's bytes are those of the GGML type it came from, and
- * rows 16g .. 16g + 15 occupy the same byte range, so a matrix can be cut at any multiple of
- * 16 rows. Values: 64 + the GGML type's id. */
-enum lm_r16_type { LM_Q4_0_R16 = 66, LM_Q4_1_R16 = 67, LM_Q8_0_R16 = 72 };
+ * 8 rows of 64 bytes, row R holding elements 4R .. 4R + 3 of each of the 16 rows in turn
+ * (Q4_K and Q6_K: per super-block of 256, the rows' factors and scales, then 64 such rows;
+ * docs/numerics.md, "Interleaved super-blocks"). A matrix's bytes are those of the GGML
+ * type it came from, and rows 16g .. 16g + 15 occupy the same byte range, so a matrix can
+ * be cut at any multiple of 16 rows. Values: 64 + the GGML type's id. */
+enum lm_r16_type {
+    LM_Q4_0_R16 = 66,
+    LM_Q4_1_R16 = 67,
+    LM_Q8_0_R16 = 72,
+    LM_Q4_K_R16 = 76,
+    LM_Q6_K_R16 = 78
+};
 
 enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
 
