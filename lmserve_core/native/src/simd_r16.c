@@ -388,15 +388,21 @@ TVNNI static inline void z_q6K_rows(const r16_q6_K *c, __m512i qh, int i, int h,
  * long), one past that (the registers) */
 #define Z_K_SPLIT(NT) ((NT) <= 4)
 
+/* Up to Z_R16_BYTE_TOKENS tokens a pass the sums come from bytes; past that from the nibbles
+ * widened to words (vpdpwssd, as the blocks of 32: half the broadcasts a token, the 16 rows'
+ * sums folded from lane pairs). The integer sums are the same, so are the outputs. */
 TVNNI static inline __attribute__((always_inline)) void
 z_q4K_body(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT, float *y,
            int64_t ldy) {
     const int64_t K = x->n, nb = K / QKK;
+    const int words = NT > Z_R16_BYTE_TOKENS;
     const uint8_t *lo[8], *hi[8];
+    const int16_t *xq[8];
     const float *ds[8];
     for (int t = 0; t < NT; t++) {
         lo[t] = x->b + (t0 + t) * LM_BYTE_COLS(K);
         hi[t] = lo[t] + K;
+        xq[t] = x->q + (t0 + t) * K;
         ds[t] = x->ds + (t0 + t) * (K / 16);
     }
     for (int64_t g = 0; g < ng; g++) {
@@ -418,6 +424,23 @@ z_q4K_body(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int 
                     __m512i r0, r1;
                     z_r16_rows_q4(c->qs + 256 * j, k, &r0, &r1);
                     const int64_t e = QKK * b + 32 * j + 8 * k;
+                    if (words) { /* l0: rows 0..7 by lane pairs, h0: rows 8..15 */
+                        const __m512i w00 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(r0));
+                        const __m512i w01 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(r0, 1));
+                        const __m512i w10 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(r1));
+                        const __m512i w11 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(r1, 1));
+                        for (int t = 0; t < NT; t++) {
+                            int64_t q0, q1;
+                            memcpy(&q0, xq[t] + e, sizeof q0);
+                            memcpy(&q1, xq[t] + e + 4, sizeof q1);
+                            const __m512i x0 = _mm512_set1_epi64(q0), x1 = _mm512_set1_epi64(q1);
+                            l0[t] = _mm512_dpwssd_epi32(l0[t], w00, x0);
+                            h0[t] = _mm512_dpwssd_epi32(h0[t], w01, x0);
+                            l0[t] = _mm512_dpwssd_epi32(l0[t], w10, x1);
+                            h0[t] = _mm512_dpwssd_epi32(h0[t], w11, x1);
+                        }
+                        continue;
+                    }
                     for (int t = 0; t < NT; t++) {
                         const __m512i x0 = _mm512_set1_epi32(z_r16_quad(lo[t] + e));
                         const __m512i x1 = _mm512_set1_epi32(z_r16_quad(lo[t] + e + 4));
@@ -425,24 +448,17 @@ z_q4K_body(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int 
                         const __m512i y1 = _mm512_set1_epi32(z_r16_quad(hi[t] + e + 4));
                         l0[t] = _mm512_dpbusd_epi32(l0[t], x0, r0);
                         h0[t] = _mm512_dpbusd_epi32(h0[t], r0, y0);
-                        if (Z_K_SPLIT(NT)) {
-                            l1[t] = _mm512_dpbusd_epi32(l1[t], x1, r1);
-                            h1[t] = _mm512_dpbusd_epi32(h1[t], r1, y1);
-                        } else {
-                            l0[t] = _mm512_dpbusd_epi32(l0[t], x1, r1);
-                            h0[t] = _mm512_dpbusd_epi32(h0[t], r1, y1);
-                        }
+                        l1[t] = _mm512_dpbusd_epi32(l1[t], x1, r1);
+                        h1[t] = _mm512_dpbusd_epi32(h1[t], r1, y1);
                     }
                 }
                 const __m512 f = z_q4K_byte(o, j, d), m = z_q4K_byte(o, 8 + j, dm);
                 const int64_t G = 8 * b + j;
                 for (int t = 0; t < NT; t++) {
-                    __m512i h = h0[t], l = l0[t];
-                    if (Z_K_SPLIT(NT)) {
-                        h = _mm512_add_epi32(h, h1[t]);
-                        l = _mm512_add_epi32(l, l1[t]);
-                    }
-                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                    const __m512i isum =
+                        words ? z_r16_fold(l0[t], h0[t])
+                              : _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0[t], h1[t]), 8),
+                                                 _mm512_add_epi32(l0[t], l1[t]));
                     const __m512 fd = _mm512_mul_ps(f, _mm512_set1_ps(ds[t][2 * G]));
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), fd, acc[t]);
                     acc[t] = _mm512_fnmadd_ps(m, _mm512_set1_ps(ds[t][2 * G + 1]), acc[t]);
