@@ -9,9 +9,18 @@ void lm_rmsnorm(float *out, const float *x, const float *weight, int64_t n, floa
     if (n <= 0) {
         return;
     }
-    /* double accumulation: n is small and the mean of squares then rounds once */
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; i++) {
+    /* double accumulation (each square is exact in a double; the mean of squares rounds to
+     * float once), in eight partial sums added in a fixed order: the same bits on every
+     * path, without one chain of dependent additions the length of the row */
+    double part[8] = {0.0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int l = 0; l < 8; l++) {
+            part[l] += (double)x[i + l] * (double)x[i + l];
+        }
+    }
+    double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; i < n; i++) {
         ss += (double)x[i] * (double)x[i];
     }
     const float mean = (float)(ss / (double)n);
