@@ -19,7 +19,8 @@ void lm_rmsnorm(float *out, const float *x, const float *weight, int64_t n, floa
             part[l] += (double)x[i + l] * (double)x[i + l];
         }
     }
-    double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    double ss = ((part[0] + part[1]) + (part[2] + part[3])) +
+                ((part[4] + part[5]) + (part[6] + part[7]));
     for (; i < n; i++) {
         ss += (double)x[i] * (double)x[i];
     }
