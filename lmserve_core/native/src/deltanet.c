@@ -94,17 +94,13 @@ static void dn_head(const dn_job *j, int s, int h) {
         const float beta = j->beta[r * d->n_v_head + h];
         float *o = j->o + r * VD + (int64_t)h * hv;
         memset(kv, 0, sizeof(float) * (size_t)hv);
-        for (int i = 0; i < hk; i++) {
-            float *Si = S + (int64_t)i * hv;
-            kt->scale_f32(Si, decay, hv);
-            kt->axpy_f32(kv, k[i], Si, hv);
+        for (int i = 0; i < hk; i++) { /* S *= decay; kv = S^T k */
+            kt->scale_axpy_f32(S + (int64_t)i * hv, decay, k[i], kv, hv);
         }
         for (int c = 0; c < hv; c++) kv[c] = (v[c] - kv[c]) * beta;
         memset(o, 0, sizeof(float) * (size_t)hv);
-        for (int i = 0; i < hk; i++) {
-            float *Si = S + (int64_t)i * hv;
-            kt->axpy_f32(Si, k[i], kv, hv);
-            kt->axpy_f32(o, q[i], Si, hv);
+        for (int i = 0; i < hk; i++) { /* S += k (x) kv; o = S^T q */
+            kt->axpy2_f32(S + (int64_t)i * hv, k[i], kv, q[i], o, hv);
         }
     }
 }

@@ -442,6 +442,10 @@ typedef struct {
     int nr; /* tokens per GEMM tile */
     float (*dot_f32)(const float *a, const float *b, int64_t n);
     void (*axpy_f32)(float *y, float a, const float *x, int64_t n); /* y += a * x */
+    /* In one pass, each step as scale_f32 and axpy_f32 compute it: y *= a, then z += b * y
+     * (scale_axpy_f32); y += a * x, then z += b * y (axpy2_f32). */
+    void (*scale_axpy_f32)(float *y, float a, float b, float *z, int64_t n);
+    void (*axpy2_f32)(float *y, float a, const float *x, float b, float *z, int64_t n);
     void (*scale_f32)(float *y, float a, int64_t n);                /* y *= a */
     /* y *= a (each y[i] * a, rounded once), and the largest of the new y (NaNs skipped;
      * -inf when there is none) */

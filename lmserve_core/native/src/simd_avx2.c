@@ -515,6 +515,34 @@ T256 static void y_vaxpy_f32(float *y, float a, const float *x, int64_t n) {
     }
 }
 
+T256 static void y_scale_axpy_f32(float *y, float a, float b, float *z, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 s = _mm256_mul_ps(va, _mm256_loadu_ps(y + i));
+        _mm256_storeu_ps(y + i, s);
+        _mm256_storeu_ps(z + i, _mm256_fmadd_ps(vb, s, _mm256_loadu_ps(z + i)));
+    }
+    for (; i < n; i++) {
+        y[i] *= a;
+        z[i] += b * y[i];
+    }
+}
+
+T256 static void y_axpy2_f32(float *y, float a, const float *x, float b, float *z, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 s = _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
+        _mm256_storeu_ps(y + i, s);
+        _mm256_storeu_ps(z + i, _mm256_fmadd_ps(vb, s, _mm256_loadu_ps(z + i)));
+    }
+    for (; i < n; i++) {
+        y[i] += a * x[i];
+        z[i] += b * y[i];
+    }
+}
+
 T256 static void y_vscale_f32(float *y, float a, int64_t n) {
     const __m256 va = _mm256_set1_ps(a);
     int64_t i = 0;
@@ -1351,6 +1379,8 @@ void lm_kernels_avx2(lm_kernels *k) {
     k->nr = Y_NR;
     k->dot_f32 = y_vdot_f32;
     k->axpy_f32 = y_vaxpy_f32;
+    k->scale_axpy_f32 = y_scale_axpy_f32;
+    k->axpy2_f32 = y_axpy2_f32;
     k->scale_f32 = y_vscale_f32;
     k->scale_max = y_scale_max;
     k->exp_sum = y_exp_sum;

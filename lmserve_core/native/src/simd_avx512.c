@@ -544,6 +544,39 @@ T512 static void z_vaxpy_f32(float *y, float a, const float *x, int64_t n) {
     }
 }
 
+T512 static void z_scale_axpy_f32(float *y, float a, float b, float *z, int64_t n) {
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 s = _mm512_mul_ps(va, _mm512_loadu_ps(y + i));
+        _mm512_storeu_ps(y + i, s);
+        _mm512_storeu_ps(z + i, _mm512_fmadd_ps(vb, s, _mm512_loadu_ps(z + i)));
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        const __m512 s = _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, y + i));
+        _mm512_mask_storeu_ps(y + i, m, s);
+        _mm512_mask_storeu_ps(z + i, m, _mm512_fmadd_ps(vb, s, _mm512_maskz_loadu_ps(m, z + i)));
+    }
+}
+
+T512 static void z_axpy2_f32(float *y, float a, const float *x, float b, float *z, int64_t n) {
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 s = _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i));
+        _mm512_storeu_ps(y + i, s);
+        _mm512_storeu_ps(z + i, _mm512_fmadd_ps(vb, s, _mm512_loadu_ps(z + i)));
+    }
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        const __m512 s =
+            _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+        _mm512_mask_storeu_ps(y + i, m, s);
+        _mm512_mask_storeu_ps(z + i, m, _mm512_fmadd_ps(vb, s, _mm512_maskz_loadu_ps(m, z + i)));
+    }
+}
+
 T512 static void z_vscale_f32(float *y, float a, int64_t n) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -1031,6 +1064,8 @@ void lm_kernels_avx512(lm_kernels *k) {
     k->nr = Z_NR;
     k->dot_f32 = z_vdot_f32;
     k->axpy_f32 = z_vaxpy_f32;
+    k->scale_axpy_f32 = z_scale_axpy_f32;
+    k->axpy2_f32 = z_axpy2_f32;
     k->scale_f32 = z_vscale_f32;
     k->scale_max = z_scale_max;
     k->exp_sum = z_exp_sum;

@@ -324,6 +324,20 @@ static void p_axpy_f32(float *y, float a, const float *x, int64_t n) {
     }
 }
 
+static void p_scale_axpy_f32(float *y, float a, float b, float *z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] *= a;
+        z[i] += b * y[i];
+    }
+}
+
+static void p_axpy2_f32(float *y, float a, const float *x, float b, float *z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] += a * x[i];
+        z[i] += b * y[i];
+    }
+}
+
 static void p_scale_f32(float *y, float a, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         y[i] *= a;
@@ -473,6 +487,8 @@ void lm_kernels_portable(lm_kernels *k) {
     k->nr = P_NR;
     k->dot_f32 = p_dot_f32;
     k->axpy_f32 = p_axpy_f32;
+    k->scale_axpy_f32 = p_scale_axpy_f32;
+    k->axpy2_f32 = p_axpy2_f32;
     k->scale_f32 = p_scale_f32;
     k->scale_max = p_scale_max;
     k->exp_sum = p_exp_sum;
