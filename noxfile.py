@@ -1,4 +1,4 @@
-"""Developer and CI sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``,
+"""Developer and CI sessions: ``nox -s tests``, ``arm``, ``lint``, ``typecheck``, ``bench``,
 ``bench-serve``, ``bench-prefill``, ``fuzz``, ``wheels``."""
 
 from __future__ import annotations
@@ -63,17 +63,46 @@ def install_browser(session: nox.Session) -> None:
         session.warn("cannot install chromium: the browser tests will not run")
 
 
+def install_arm_tools(session: nox.Session) -> None:
+    """Debian's AArch64 cross compiler and qemu-user, for the kernels' checks on Arm
+    (tests/test_kernels_arm.py), when missing and this runs as root on Debian; otherwise those
+    tests skip (and fail under CI)."""
+    tools = ("/usr/bin/aarch64-linux-gnu-gcc", "/usr/bin/qemu-aarch64-static")
+    if all(Path(t).exists() for t in tools) or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        session.run("apt-get", "update", "-qq", external=True, env=env)
+        session.run(
+            "apt-get", "install", "-y", "-qq", "gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross",
+            "qemu-user-static", external=True, env=env,
+        )
+    except CommandFailed:
+        session.warn("cannot install the AArch64 tools: the Arm kernel checks will not run")
+
+
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The whole test suite: core, dialects through real processes, kernels, plugins, and the
     chat page in headless Chromium (playwright comes with the `test` extra; Chromium is
     Debian's: see lmserve_core/testing/browser.py)."""
     install_browser(session)
+    install_arm_tools(session)
     install_project(session, reference=True)
     session.run(
         "pytest", "tests", *[f"{p}/tests" for p in PLUGINS], "-q",
         "-p", "no:cacheprovider", *session.posargs,
     )
+
+
+@nox.session(python="3.11")
+def arm(session: nox.Session) -> None:
+    """The kernels' products on AArch64 under qemu-user (part of ``tests`` too): NEON with the
+    dot products, with I8MM, and the portable path, against the portable bits."""
+    install_arm_tools(session)
+    install_project(session)
+    session.run("pytest", "tests/test_kernels_arm.py", "-q", "-p", "no:cacheprovider",
+                *session.posargs)
 
 
 @nox.session(python="3.11")

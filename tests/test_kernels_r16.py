@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("restore_isa")
 
 QT = K.QuantType
 R16_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
-ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
+ISAS = K.available_isas()
 
 
 def r16(qtype: QT) -> int:
@@ -58,12 +58,28 @@ def test_repacking_refuses_what_it_cannot_lay_out(rng) -> None:
 
 def test_a_layout_is_chosen_only_where_the_products_gain() -> None:
     for isa in ISAS:
+        for prefill in K.PrefillPrecision:
+            with K.use_isa(isa):
+                K.select_prefill_precision(prefill)
+                chosen = {t for t in QT if K.interleaved_for(t)}
+                assert all(K.interleaved_for(t) == r16(t) for t in chosen)
+            if isa == K.Isa.PORTABLE:  # its products read it no faster
+                assert not chosen
+            else:  # every SIMD table multiplies and decodes every interleaved type
+                assert chosen == set(R16_TYPES), (isa.name, prefill.name)
+
+
+def test_prefill_multiplies_integers_where_the_table_says_so() -> None:
+    K.select_decode_precision(K.DecodePrecision.I16)
+    for isa in ISAS:
         with K.use_isa(isa):
-            chosen = {t: K.interleaved_for(t) for t in QT}
-        assert {t for t, v in chosen.items() if v} <= set(R16_TYPES)
-        assert all(v is None or v == r16(t) for t, v in chosen.items())
-        if isa < K.Isa.AVX512:  # their products read it no faster
-            assert not any(chosen.values()), isa.name
+            for qtype in R16_TYPES:
+                assert K.int_products(r16(qtype), 1)  # decode multiplies integers everywhere
+                K.select_prefill_precision(K.PrefillPrecision.F32)
+                assert not K.int_products(r16(qtype), K.DECODE_MAX_ROWS + 64)
+                K.select_prefill_precision(K.PrefillPrecision.I16)
+            # AVX2's words run below the f32 GEMM's rate: its prefill stays on the GEMM
+            assert K.int_products(r16(QT.Q4_K), 512) == (isa == K.Isa.AVX512), isa.name
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: i.name)
@@ -92,7 +108,7 @@ def test_a_tokens_outputs_do_not_depend_on_the_batch_or_the_threads(matrix, isa,
     K.select_decode_precision(K.DecodePrecision.I16)
     K.select_prefill_precision(K.PrefillPrecision.I16)
     # where the layout is chosen, int16 prefill runs the same products on many tokens
-    most = 70 if K.interleaved_for(qtype) else K.DECODE_MAX_ROWS
+    most = 70 if K.int_products(r16(qtype), 70) else K.DECODE_MAX_ROWS
     x = rng.standard_normal((most, cols), dtype=np.float32)
     alone = np.stack([K.matmul(r16(qtype), packed, rows, cols, x[t : t + 1])[0] for t in range(most)])
     for threads in (1, 2, 3):

@@ -29,7 +29,7 @@ from lmserve_core.model import FamilyConventions
 from lmserve_core.native import kernels as K
 from lmserve_core.testing.gguf_writer import add_arch_metadata
 
-ISAS = [isa for isa in K.Isa if isa <= K.isa_best()]
+ISAS = K.available_isas()
 
 
 @pytest.fixture

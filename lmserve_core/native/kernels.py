@@ -180,9 +180,15 @@ def select_isa(isa: int) -> None:
     check(lib.lm_isa_select(int(isa)), f"select ISA {isa}")
 
 
+def kernels_name() -> str:
+    """The kernels' active path as the banner and ``/v1/models`` show it: ``avx2``,
+    ``avx512``, ``neon_dotprod``, ``neon_i8mm`` or ``portable``."""
+    return Isa(lib.lm_isa_active()).name.lower()
+
+
 def available_isas() -> list[enum.IntEnum]:
     """Every path this CPU can run, portable first."""
-    return [isa for isa in Isa if isa <= isa_best()]
+    return [isa for isa in Isa if lib.lm_isa_available(int(isa))]
 
 
 @contextlib.contextmanager
@@ -335,6 +341,13 @@ def interleaved_for(qtype: int) -> int | None:
     """The :data:`Interleaved` layout of ``qtype`` that the active ISA's products read faster,
     or None (the type has none, or this ISA gains nothing from it)."""
     return int(lib.lm_r16_for(int(qtype))) or None
+
+
+def int_products(qtype: int, ntok: int) -> bool:
+    """Whether a product of ``ntok`` tokens with ``qtype`` weights multiplies int16
+    activations under the active ISA and precisions (each token's outputs then have the bits
+    it gets alone)."""
+    return bool(lib.lm_int_products_active(int(qtype), int(ntok)))
 
 
 def repack_r16(

@@ -8,25 +8,52 @@
 
 float lm_f16_table[1 << 16];
 
-static lm_kernels g_tables[3];
+#define LM_NISA 5
+static lm_kernels g_tables[LM_NISA];
+static int g_avail[LM_NISA];
 static int g_best = LM_ISA_PORTABLE;
 static _Atomic int g_active = LM_ISA_PORTABLE;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
-static int detect_best(void) {
+#if LM_HAVE_NEON && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+#elif LM_HAVE_NEON && defined(__APPLE__)
+#include <sys/sysctl.h>
+static int apple_has(const char *name) {
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname(name, &v, &n, NULL, 0) == 0 && v != 0;
+}
+#endif
+
+/* Which paths this CPU runs: g_avail[isa], from the CPU's own report. */
+static void detect(void) {
+    g_avail[LM_ISA_PORTABLE] = 1;
 #if LM_HAVE_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma")) {
-        return LM_ISA_AVX512;
-    }
     /* F16C has no __builtin_cpu_supports name on older compilers; every AVX2 CPU has it. */
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        return LM_ISA_AVX2;
-    }
+    g_avail[LM_ISA_AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    g_avail[LM_ISA_AVX512] = g_avail[LM_ISA_AVX2] && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl");
+#elif LM_HAVE_NEON && defined(__linux__)
+    g_avail[LM_ISA_NEON_DOTPROD] = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    g_avail[LM_ISA_NEON_I8MM] =
+        g_avail[LM_ISA_NEON_DOTPROD] && (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#elif LM_HAVE_NEON && defined(__APPLE__)
+    g_avail[LM_ISA_NEON_DOTPROD] = apple_has("hw.optional.arm.FEAT_DotProd");
+    g_avail[LM_ISA_NEON_I8MM] =
+        g_avail[LM_ISA_NEON_DOTPROD] && apple_has("hw.optional.arm.FEAT_I8MM");
 #endif
-    return LM_ISA_PORTABLE;
+    for (int isa = 0; isa < LM_NISA; isa++) {
+        if (g_avail[isa]) g_best = isa; /* on each architecture, later paths do more */
+    }
 }
 
 static void init_tables(void) {
@@ -34,18 +61,22 @@ static void init_tables(void) {
         lm_f16_table[h] = lm_half_to_float((lm_half)h);
     }
     lm_kernels_portable(&g_tables[LM_ISA_PORTABLE]);
-    g_tables[LM_ISA_AVX2] = g_tables[LM_ISA_PORTABLE];
-    g_tables[LM_ISA_AVX512] = g_tables[LM_ISA_PORTABLE];
-    g_best = detect_best();
+    for (int isa = 1; isa < LM_NISA; isa++) g_tables[isa] = g_tables[LM_ISA_PORTABLE];
+    detect();
 #if LM_HAVE_X86
-    if (g_best >= LM_ISA_AVX2) {
+    if (g_avail[LM_ISA_AVX2]) {
         lm_kernels_avx2(&g_tables[LM_ISA_AVX2]);
+        r16_kernels_avx2(&g_tables[LM_ISA_AVX2]);
     }
-    if (g_best >= LM_ISA_AVX512) {
+    if (g_avail[LM_ISA_AVX512]) {
         /* entries the AVX-512 file does not define keep their AVX2 kernels */
         g_tables[LM_ISA_AVX512] = g_tables[LM_ISA_AVX2];
         lm_kernels_avx512(&g_tables[LM_ISA_AVX512]);
     }
+#endif
+#if LM_HAVE_NEON
+    if (g_avail[LM_ISA_NEON_DOTPROD]) r16_kernels_dotprod(&g_tables[LM_ISA_NEON_DOTPROD]);
+    if (g_avail[LM_ISA_NEON_I8MM]) r16_kernels_i8mm(&g_tables[LM_ISA_NEON_I8MM]);
 #endif
     atomic_store(&g_active, g_best);
 }
@@ -64,12 +95,17 @@ int lm_isa_active(void) {
     return atomic_load_explicit(&g_active, memory_order_relaxed);
 }
 
+int lm_isa_available(int isa) {
+    ensure_init();
+    return isa >= 0 && isa < LM_NISA && g_avail[isa];
+}
+
 int lm_isa_select(int isa) {
     ensure_init();
-    if (isa < LM_ISA_PORTABLE || isa > LM_ISA_AVX512) {
+    if (isa < LM_ISA_PORTABLE || isa >= LM_NISA) {
         return LM_EINVAL;
     }
-    if (isa > g_best) {
+    if (!g_avail[isa]) {
         return LM_EISA;
     }
     atomic_store(&g_active, isa);

@@ -44,13 +44,17 @@ int lm_dot_has_i16(const lm_kernels *k, int type) {
 
 int lm_int_products_at(const lm_kernels *k, int type, int64_t ntok, int decode, int prefill) {
     if (ntok < LM_GEMM_MIN_TOKENS) return decode == LM_DECODE_I16 && lm_dot_has_i16(k, type);
-    return prefill == LM_PREFILL_I16 && k->r16_fast && lm_r16_base(type) >= 0 &&
+    return prefill == LM_PREFILL_I16 && k->r16_prefill && lm_r16_base(type) >= 0 &&
            k->dotq_r16[type] != NULL && k->quant_x16 != NULL;
 }
 
 int lm_int_products(const lm_kernels *k, int type, int64_t ntok) {
     return lm_int_products_at(k, type, ntok, lm_decode_precision_active(),
                               lm_prefill_precision_active());
+}
+
+int lm_int_products_active(int type, int64_t ntok) {
+    return ntok > 0 && lm_int_products(lm_kernels_active(), type, ntok);
 }
 
 /* ------------------------------------------------------------------ activations */

@@ -17,6 +17,11 @@
 #else
 #define LM_HAVE_X86 0
 #endif
+#if defined(__aarch64__) && !defined(LM_NO_SIMD)
+#define LM_HAVE_NEON 1
+#else
+#define LM_HAVE_NEON 0
+#endif
 
 /* type ids are < 143: GGML's (< 43), lm_r16_type's (64 + GGML's) and LM_Q2_0_128 (142) */
 #define LM_NTYPES 143
@@ -393,9 +398,10 @@ typedef void (*lm_quads_x16_fn)(const int16_t *q, int64_t n, int16_t *q4);
 #define LM_QUAD_COLS(n) (((n) + 127) / 128 * 128)
 /* A token's quantized x as bytes, for kernels that multiply bytes: q = 256 hi + lo with
  * hi = q >> 8 (arithmetic, -128..127) and lo = q & 255 (0..255); b[0 .. n) holds lo,
- * b[n .. 2n) hi, and from b + 2n the int32 sum of hi over each group of 32. */
+ * b[n .. 2n) hi, from b + 2n the int32 sum of hi over each group of 32, then that of lo
+ * (for the tables whose kernels read it). */
 typedef void (*lm_bytes_x16_fn)(const int16_t *q, int64_t n, uint8_t *b);
-#define LM_BYTE_COLS(n) (2 * (n) + (n) / 32 * 4)
+#define LM_BYTE_COLS(n) (2 * (n) + (n) / 32 * 8)
 /* out[t * ldo] = dot(row, token t0 + t of x) for t < nt (1..LM_DOTQ_TOKENS), integer products
  * per group: each weight group is unpacked once for all nt tokens. */
 #define LM_DOTQ_TOKENS 8
@@ -437,6 +443,9 @@ typedef struct {
     void (*pack_nr)(const float *src, int64_t ld, int rows, int64_t n, float *dst);
     int r16_tokens;  /* most tokens per dotq_r16 call */
     int r16_fast;    /* 1: these kernels read the interleaved layouts faster than GGML's */
+    /* 1: products of LM_GEMM_MIN_TOKENS and more tokens of the interleaved types run on the
+     * integer kernels under int16 prefill (the same bits as a token alone); 0: the f32 GEMM */
+    int r16_prefill;
     lm_gemm_fn gemm;
     int mr; /* weight rows per GEMM tile */
     int nr; /* tokens per GEMM tile */
@@ -489,6 +498,14 @@ void lm_kernels_avx512(lm_kernels *k);
 void lm_r16_factors_q4_K(const void *col, int n, float f[8], float m[8]);
 /* The VNNI products of the interleaved layouts (simd_r16.c), part of the AVX-512 table. */
 void lm_kernels_r16_avx512(lm_kernels *k);
+/* The interleaved layouts' products of r16_kernels.h on AVX2 (simd_r16_avx2.c). */
+void r16_kernels_avx2(lm_kernels *k);
+#endif
+
+#if LM_HAVE_NEON
+/* The interleaved layouts' products of r16_kernels.h on NEON (simd_r16_neon.c). */
+void r16_kernels_dotprod(lm_kernels *k);
+void r16_kernels_i8mm(lm_kernels *k);
 #endif
 
 /* The table of the active ISA; never NULL. */

@@ -87,6 +87,30 @@ static void dot_rows_r16(const lm_kernels *k, int type, const uint8_t *w, int64_
     enum { PIECE = 256 }; /* elements of a row decoded at a time */
     const int64_t bb = lm_type_block_bytes(type), be = lm_type_block_elems(type);
     float part[PIECE];
+    if (k->panel_r16[type] != NULL) {
+        /* the 16 rows of a piece decoded at once (the panel holds deq_r16's values), then
+         * each row's products as below, piece after piece: the same sums */
+        float panel[PIECE * R16], rows16[R16][PIECE];
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *group = w + g * R16 * rb;
+            for (int64_t t = 0; t < ntok; t++) {
+                for (int n = 0; n < R16; n++) y[t * rows + g * R16 + n] = 0.0f;
+            }
+            for (int64_t c0 = 0; c0 < cols; c0 += PIECE) {
+                const int64_t len = cols - c0 < PIECE ? cols - c0 : PIECE;
+                k->panel_r16[type](group + (c0 / be) * R16 * bb, len, panel, R16);
+                for (int64_t e = 0; e < len; e++) {
+                    for (int n = 0; n < R16; n++) rows16[n][e] = panel[e * R16 + n];
+                }
+                for (int n = 0; n < R16; n++) {
+                    for (int64_t t = 0; t < ntok; t++) {
+                        y[t * rows + g * R16 + n] += k->dot_f32(rows16[n], x + t * cols + c0, len);
+                    }
+                }
+            }
+        }
+        return;
+    }
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *group = w + g * R16 * rb;
         for (int n = 0; n < R16; n++) {

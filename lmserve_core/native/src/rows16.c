@@ -358,5 +358,6 @@ void lm_kernels_portable_r16(lm_kernels *k) {
 #undef SET_R16
     k->r16_tokens = LM_DOTQ_TOKENS;
     k->r16_fast = 0;
+    k->r16_prefill = 0;
 }
 #undef R16_TYPES

@@ -650,6 +650,7 @@ void lm_kernels_r16_avx512(lm_kernels *k) {
     k->bytes_x16 = z_bytes_x16;
     k->r16_tokens = LM_DOTQ_TOKENS;
     k->r16_fast = 1;
+    k->r16_prefill = 1;
 }
 
 #undef TVNNI

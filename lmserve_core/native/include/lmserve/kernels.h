@@ -35,12 +35,16 @@ int64_t lm_row_bytes(int type, int64_t n); /* bytes of an n-element row; < 0 if 
 int lm_isa_best(void);          /* the best ISA this CPU supports */
 int lm_isa_active(void);        /* the ISA kernels currently use (default: best) */
 int lm_isa_select(int isa);     /* LM_EISA if the CPU lacks it; process-wide */
+int lm_isa_available(int isa);  /* 1 when this CPU (and build) can run the path */
 /* enum lm_decode_precision of the few-token products; process-wide, default LM_DECODE_I16. */
 int lm_decode_precision_active(void);
 int lm_decode_precision_select(int precision);
 /* enum lm_prefill_precision of the many-token products; process-wide, default LM_PREFILL_I16. */
 int lm_prefill_precision_active(void);
 int lm_prefill_precision_select(int precision);
+/* 1 when a product of ntok tokens with `type` weights runs on int16 activations under the
+ * active ISA and precisions (so its outputs have the bits of each token alone), else 0. */
+int lm_int_products_active(int type, int64_t ntok);
 
 /* ------------------------------------------------------------------ rows */
 /* dst[0..n) = dequantized src row. */

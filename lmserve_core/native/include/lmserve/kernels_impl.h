@@ -13,6 +13,8 @@
 #include "../../src/simd_avx512.c"
 #include "../../src/rows16.c"
 #include "../../src/simd_r16.c"
+#include "../../src/simd_r16_avx2.c"
+#include "../../src/simd_r16_neon.c"
 #include "../../src/matmul.c"
 #include "../../src/ops.c"
 #include "../../src/attention.c"

@@ -70,7 +70,15 @@ enum lm_r16_type {
     LM_Q6_K_R16 = 78
 };
 
-enum lm_isa { LM_ISA_PORTABLE = 0, LM_ISA_AVX2 = 1, LM_ISA_AVX512 = 2 };
+/* The kernels' instruction-set paths: x86-64 (AVX2 with FMA and F16C; AVX-512 F/BW/VL) and
+ * AArch64 (NEON with the dot products, FEAT_DotProd; with FEAT_I8MM too). */
+enum lm_isa {
+    LM_ISA_PORTABLE = 0,
+    LM_ISA_AVX2 = 1,
+    LM_ISA_AVX512 = 2,
+    LM_ISA_NEON_DOTPROD = 3,
+    LM_ISA_NEON_I8MM = 4
+};
 
 /* Activations of the few-token products (decode, short chunks): f32 throughout, or int16 per
  * group of 32 with integer products against the weights' integers (about 2x fewer
