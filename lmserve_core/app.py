@@ -195,12 +195,15 @@ def model_object(server: Server) -> dict[str, Any]:
 
 def model_meta(server: Server) -> dict[str, Any]:
     """What a client may want to know of the served model beyond its id (docs/webui.md)."""
+    from .native.kernels import kernels_name
+
     backend = server.backend
     caps = backend.capabilities
     return {
         "backend": backend.name,
         "family": getattr(backend, "family", None) or backend.name,
         "n_ctx": server.ctx,
+        "kernels": kernels_name(),
         "capabilities": {
             "reasoning": caps.reasoning,
             "tools": caps.tool_style,

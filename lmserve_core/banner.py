@@ -10,6 +10,7 @@ from typing import Any
 
 from . import __version__
 from .app import ENDPOINTS
+from .native.kernels import kernels_name
 from .progress import byte_unit
 
 # Bind addresses meaning every interface, and the address this machine reaches them at.
@@ -37,8 +38,9 @@ def facts(
     """The fields of the ``serving`` event: the URL (``all_interfaces`` when the address
     binds every interface; ``local_url`` is where this machine reaches it), the model's id,
     file, backend, plugin and architecture, the context, the KV slots and the bytes they
-    take at full context, the cartridge and the fleet (None without one), the chat page (None without one), the OpenAI and Anthropic base
-    URLs and the API's endpoints."""
+    take at full context, the kernels' instruction-set path, the cartridge and the fleet (None
+    without one), the chat page (None without one), the OpenAI and Anthropic base URLs and the
+    API's endpoints."""
     everywhere = host in _ALL_INTERFACES
     local = _url(_ALL_INTERFACES[host], port) if everywhere else _url(host, port)
     gguf = getattr(backend, "gguf", None)
@@ -60,6 +62,7 @@ def facts(
         "kv_type": getattr(getattr(backend, "model", None), "kv_type", None),
         "decode_precision": decode_precision,
         "prefill_precision": prefill_precision,
+        "kernels": kernels_name(),
         "batch": batch,
         "spec": getattr(getattr(backend, "drafts", None), "name", None),
         # --cartridge: the KV prefix every conversation starts behind
@@ -101,7 +104,7 @@ def render(f: dict[str, Any], *, colors: bool = False) -> str:
         if value
     )
     rows.append(("backend", f["backend"] + (f"  ({about})" if about else "")))
-    speed = f"batch {f['batch']}, decode {f['decode_precision']}"
+    speed = f"batch {f['batch']}, {f.get('kernels', 'portable')} kernels, decode {f['decode_precision']}"
     if f.get("prefill_precision", "int16") != "int16":
         speed += f", prefill {f['prefill_precision']}"
     if f["spec"]:

@@ -234,6 +234,7 @@ def test_serving_event_and_progress_lines_without_a_terminal(tmp_path: Path) -> 
     from processes import launch
 
     from lmserve_core.gguf_file import GGUFFile
+    from lmserve_core.native.kernels import kernels_name
 
     path = smollm2_path()
     running = launch(
@@ -276,6 +277,7 @@ def test_serving_event_and_progress_lines_without_a_terminal(tmp_path: Path) -> 
         "batch": 4,
         "decode_precision": "int16",
         "prefill_precision": "int16",
+        "kernels": kernels_name(),
         "auth": True,
         "chat_url": base + "/",
         "openai_base_url": base + "/v1",
@@ -308,6 +310,8 @@ def test_banner_on_a_terminal(tmp_path: Path) -> None:
     from models import smollm2_path
     from processes import launch
 
+    from lmserve_core.native.kernels import kernels_name
+
     running = launch(
         "--threads",
         "2",
@@ -333,7 +337,7 @@ def test_banner_on_a_terminal(tmp_path: Path) -> None:
         f"listening  {running.base_url}\n",
         f"{smollm2_path()}\n",
         "backend    llama  (plugin llama, architecture llama)",
-        "context    1024 tokens; batch 4, decode int16",
+        f"context    1024 tokens; batch 4, {kernels_name()} kernels, decode int16",
         "KV cache   4 slots, ",
         f"chat page  {running.base_url}/\n",
         f"base URL {running.base_url}/v1\n",

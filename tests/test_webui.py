@@ -19,6 +19,7 @@ import pytest
 from models import smollm2_path
 from processes import API_KEY, RunningServer, launch
 
+from lmserve_core.native import kernels as K
 from lmserve_core.testing.browser import open_page, screenshot, send, settings, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -56,8 +57,10 @@ def test_models_meta_tells_the_family_context_and_capabilities(server: RunningSe
         "backend": "scripted",
         "family": "scripted",
         "n_ctx": 4096,
+        "kernels": K.kernels_name(),
         "capabilities": {"reasoning": True, "tools": "hermes", "grammar": True},
     }
+    assert model["meta"]["kernels"] in {isa.name.lower() for isa in K.available_isas()}
 
 
 # ---------------------------------------------------------------------------- SmolLM2
