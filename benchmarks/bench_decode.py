@@ -18,6 +18,12 @@ Models:
 - ``qwen3-0.6b-q4_k_m``: the same geometry in llama.cpp's Q4_K_M mix.
 - ``qwen3moe-1b``: a Qwen3-MoE of 1.2B parameters (10 layers, hidden 1024, 64 experts of
   width 512, top-8), Q8_0.
+- ``qwen3-8b-q4_k_m`` (not in the default list: a 5.0 GB file, written once): random
+  weights with Qwen3-8B's geometry (36 layers of 4096, 32/8 heads of 128, ffn 12288, vocab
+  151936, untied) in llama.cpp's Q4_K_M mix.
+- ``qwen3moe-30b-a3b-half-q4_k_m`` (not in the default list: about 9 GB): Qwen3-30B-A3B's
+  layers (hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8) at half its depth, 24
+  layers, Q4_K_M.
 - ``qwen35-0.8b``: random weights with Qwen3.5-0.8B's geometry (24 layers of 1024, 18 gated
   DeltaNet and 6 gated attention layers, vocab 248320, tied), Q8_0, converted by llama.cpp's
   own converter (``plugins/lmserve-qwen35/tests/synthetic.py``).
@@ -57,6 +63,8 @@ SYNTHETIC = {
     "qwen3-0.6b": ("qwen3", "0.6b", "q8_0"),
     "qwen3-0.6b-q4_k_m": ("qwen3", "0.6b", "q4_k_m"),
     "qwen3moe-1b": ("qwen3moe", "moe-1b", "q8_0"),
+    "qwen3-8b-q4_k_m": ("qwen3", "8b", "q4_k_m"),
+    "qwen3moe-30b-a3b-half-q4_k_m": ("qwen3moe", "30b-a3b-half", "q4_k_m"),
 }
 SYNTHETIC_QWEN35 = {"qwen35-0.8b": ("qwen35", "0.8b")}
 

@@ -102,6 +102,14 @@ GEOMETRIES: dict[tuple[str, str], Geometry] = {
     ("qwen3moe", "moe-1b"): Geometry(
         10, 1024, 16, 4, 128, 3072, n_expert=64, n_expert_used=8, n_ff_exp=512, n_ctx=40960
     ),
+    # Qwen3-8B (8.2B parameters; Q4_K_M 5.0 GB), for the benchmarks at the size people run.
+    ("qwen3", "8b"): Geometry(36, 4096, 32, 8, 128, 12288, n_ctx=40960, tied=False),
+    # Qwen3-30B-A3B's layers at half its depth (24 of 48: 15B parameters, 128 experts of 768,
+    # 8 used; Q4_K_M about 9 GB), so that its per-token work fits a 24 GiB machine.
+    ("qwen3moe", "30b-a3b-half"): Geometry(
+        24, 2048, 32, 4, 128, 6144, n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx=40960,
+        tied=False,
+    ),
 }
 HF_SIZES = ("tiny", "small")  # built through transformers; the others straight from numpy
 
@@ -422,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         default_kind=lambda size: "qwen3" if size in HF_SIZES else default_kind(size),
         kind_help="default: the one the size exists for",
         sizes=sorted({s for _, s in GEOMETRIES}),
-        size_help="tiny/small: via transformers, with a reference model; 0.6b (qwen3), "
-        "moe-1b (qwen3moe): benchmark geometries from numpy (default: tiny)",
+        size_help="tiny/small: via transformers, with a reference model; 0.6b, 8b (qwen3), "
+        "moe-1b, 30b-a3b-half (qwen3moe): benchmark geometries from numpy (default: tiny)",
         out_help="write the GGUF here (tiny/small also write OUT.hf/) instead of into the cache",
     )
 
