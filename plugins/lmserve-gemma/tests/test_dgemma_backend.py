@@ -15,6 +15,7 @@ from lmserve_gemma import plugin
 from lmserve_gemma.dgemma_backend import DiffusionChatBackend
 
 from lmserve_core.backend import ServerSettings
+from lmserve_core.native import kernels
 from lmserve_core.testing.serving import serve
 
 openai = pytest.importorskip("openai")
@@ -40,6 +41,13 @@ def served(diffusion_gemma: Any) -> Iterator[tuple[Any, Any, DiffusionChatBacken
         yield client, sdk, backend
 
 
+@pytest.mark.xfail(
+    kernels.isa_active() == kernels.Isa.AVX2,
+    reason="on AVX2 a second seeded reply, served behind the first one's cached prompt, "
+    "diverges after its first block (the portable path gives both the same text): a "
+    "product whose bits depend on how its tokens were batched (issue 41)",
+    strict=False,
+)
 def test_a_seeded_reply_is_reproducible_and_counts_committed_tokens(served: Any) -> None:
     _, sdk, _ = served
     replies = [sdk.chat.completions.create(model="m", messages=MESSAGES, max_tokens=40,
