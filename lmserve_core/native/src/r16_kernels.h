@@ -17,7 +17,8 @@
  * the pass multiplies them in pairs (dot_words) instead. The integer sums are exact, so
  * none of this changes a bit.
  *
- * Defines VN(r16_kernels)(lm_kernels *) installing the products and bytes_x16.
+ * Defines VN(r16_kernels)(lm_kernels *), installing the products, the GEMM panels and
+ * bytes_x16.
  */
 
 /* ------------------------------------------------------------------ activations */
