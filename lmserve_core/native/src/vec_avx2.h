@@ -286,9 +286,3 @@ VF void VN(rowsf_store)(float *p, VN(vrowsf) a) {
     _mm256_storeu_ps(p + 8, a.v[1]);
 }
 
-VF VN(vrowsf) VN(rowsf_load)(const float *p) {
-    VN(vrowsf) r;
-    r.v[0] = _mm256_loadu_ps(p);
-    r.v[1] = _mm256_loadu_ps(p + 8);
-    return r;
-}

@@ -290,8 +290,3 @@ VF void VN(rowsf_store)(float *p, VN(vrowsf) a) {
     for (int l = 0; l < 4; l++) vst1q_f32(p + 4 * l, a.v[l]);
 }
 
-VF VN(vrowsf) VN(rowsf_load)(const float *p) {
-    VN(vrowsf) r;
-    for (int l = 0; l < 4; l++) r.v[l] = vld1q_f32(p + 4 * l);
-    return r;
-}
