@@ -28,6 +28,12 @@ Models:
   DeltaNet and 6 gated attention layers, vocab 248320, tied), Q8_0, converted by llama.cpp's
   own converter (``plugins/lmserve-qwen35/tests/synthetic.py``).
 
+Decode reads every weight once a token (an MoE layer only its routed experts), so its
+rate has a ceiling: the machine's read bandwidth (``bandwidth.py``, measured at the start
+with the same thread count). Each lmserve line gives the share of it a decode step reaches
+(``bw``: weight bytes a token times tg tok/s over the bandwidth); ``--no-bandwidth`` skips
+the probe.
+
 The synthetic files are written once by ``plugins/lmserve-qwen3/tests/synthetic.py`` and
 cached. The engines alternate round by round so both see the same machine noise; the CPU
 model is printed with the figures, because ratios move between machines. Each figure is
@@ -56,6 +62,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import read_bandwidth  # noqa: E402
 from results import Report, add_output_options, cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +145,27 @@ def load(path: Path, threads: int) -> Any:
     from lmserve_llama.model import LlamaModel
 
     return LlamaModel.load(gguf, n_threads=threads)
+
+
+def decode_bytes(path: Path) -> int:
+    """Weight bytes one decode step reads: every tensor but the token embedding (one row of
+    it; unless the output head is tied to it), expert tensors for the routed share only."""
+    from lmserve_core.gguf_file import GGUFFile
+
+    gguf = GGUFFile.open(path)
+    try:
+        tied = "output.weight" not in gguf.tensors
+        used = gguf.arch_get("expert_used_count") or 0
+        experts = gguf.arch_get("expert_count") or 0
+        total = 0.0
+        for name, info in gguf.tensors.items():
+            if name == "token_embd.weight" and not tied:
+                continue
+            share = used / experts if experts and "_exps." in name else 1.0
+            total += info.nbytes * share
+        return int(total)
+    finally:
+        gguf.close()
 
 
 def bench_ours(
@@ -229,6 +257,8 @@ def main() -> None:
     parser.add_argument("--llama-bench", help="path of a built llama.cpp llama-bench")
     parser.add_argument("--depth", type=int, default=0,
                         help="decode only, after a context of this many tokens")
+    parser.add_argument("--no-bandwidth", action="store_true",
+                        help="skip the read-bandwidth probe (and the bw share)")
     parser.add_argument("--prefill-precision", choices=["int16", "f32"], default="int16",
                         help="lmserve's prefill products, as the server's flag (default int16)")
     add_output_options(parser)
@@ -239,10 +269,13 @@ def main() -> None:
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     report = Report("decode", args, args.threads, args.llama_bench,
                     name=f"decode-depth{args.depth}" if args.depth else "decode")
-    report.print(f"CPU: {cpu_model()}, {args.threads} threads")
+    bandwidth = None if args.no_bandwidth else read_bandwidth(args.threads)
+    report.print(f"CPU: {cpu_model()}, {args.threads} threads"
+                 + (f", read bandwidth {bandwidth:.1f} GB/s" if bandwidth else ""))
     records: list[dict[str, Any]] = []
     for name in names:
         path = model_path(name)
+        step_bytes = decode_bytes(path)
         for round_ in range(1, args.rounds + 1):
             ours = bench_ours(path, args.threads, args.prompt, args.gen, args.reps, args.depth)
             theirs = (
@@ -260,6 +293,10 @@ def main() -> None:
                      "tg": f"tg{args.gen}" + (f"@d{args.depth}" if args.depth else "")}
             line = f"{name:12s} round {round_}: lmserve " + "  ".join(
                 f"{tests[k]} {ours[k]:7.1f}" for k in keys)
+            if bandwidth:
+                record["decode_gbs"] = step_bytes * ours["tg"] / 1e9
+                record["bandwidth_share"] = record["decode_gbs"] / bandwidth
+                line += f" (bw {record['bandwidth_share']:.0%})"
             if theirs:
                 ratio = {k: ours[k] / theirs[k] for k in keys}
                 record["ratio"] = ratio
@@ -270,7 +307,7 @@ def main() -> None:
         if args.llama_bench:
             report.print(summary(name, records))
     report.finish(prompt=args.prompt, gen=args.gen, depth=args.depth, reps=args.reps,
-                  rounds=args.rounds, runs=records)
+                  rounds=args.rounds, read_bandwidth_gbs=bandwidth, runs=records)
 
 
 if __name__ == "__main__":
