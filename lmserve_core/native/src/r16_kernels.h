@@ -164,21 +164,21 @@ DEF_V_APPLY(q8_0, r16_q8_0)
 #undef DEF_V_APPLY
 
 /* Per block: acc = fma(sum, f * d, acc), then acc = fma(m, s, acc) for a type with mins.
- * With `words` the weights are widened once for any nt (<= LM_DOTQ_TOKENS) tokens, else NT
+ * With `words` the weights are widened once for any nt (<= V_PASS_TOKENS) tokens, else NT
  * (<= V_TOKENS, nt == NT) tokens multiply the bytes. */
 #define DEF_V_B32(name, col_t)                                                                     \
     VF void VN(b32_##name)(const col_t *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT,   \
                            const int words, int nt, float *y, int64_t ldy) {                       \
         const int64_t nb = x->n / 32;                                                              \
-        VN(vtok) xt[LM_DOTQ_TOKENS];                                                               \
+        VN(vtok) xt[V_PASS_TOKENS];                                                               \
         for (int t = 0; t < nt; t++) xt[t] = VN(tok_at)(x, t0 + t);                                \
         for (int64_t g = 0; g < ng; g++) {                                                         \
-            VN(vrowsf) acc[LM_DOTQ_TOKENS];                                                        \
+            VN(vrowsf) acc[V_PASS_TOKENS];                                                        \
             for (int t = 0; t < nt; t++) acc[t] = VN(rowsf_zero)();                                \
             for (int64_t b = 0; b < nb; b++) {                                                     \
                 const col_t *c = w + g * nb + b;                                                   \
                 lm_r16_prefetch(c, sizeof *c);                                                     \
-                VN(vrows) isum[LM_DOTQ_TOKENS];                                                    \
+                VN(vrows) isum[V_PASS_TOKENS];                                                    \
                 if (words) {                                                                       \
                     VN(vwords) wv[8];                                                              \
                     for (int k = 0; k < 4; k++) {                                                  \
@@ -231,15 +231,15 @@ VF VN(vrowsf) VN(q4K_factor)(const VN(vrows) o[4], int j, VN(vrowsf) f) {
 }
 
 /* Sub-block j (one group of x): acc = fma(sum, f_j * d, acc), then acc = fma(-m_j, s, acc).
- * With `words` the weights are widened once for any nt (<= LM_DOTQ_TOKENS) tokens, else NT
+ * With `words` the weights are widened once for any nt (<= V_PASS_TOKENS) tokens, else NT
  * (<= V_TOKENS, nt == NT) tokens multiply the bytes. */
 VF void VN(q4K)(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT,
                 const int words, int nt, float *y, int64_t ldy) {
     const int64_t nb = x->n / QKK;
-    VN(vtok) xt[LM_DOTQ_TOKENS];
+    VN(vtok) xt[V_PASS_TOKENS];
     for (int t = 0; t < nt; t++) xt[t] = VN(tok_at)(x, t0 + t);
     for (int64_t g = 0; g < ng; g++) {
-        VN(vrowsf) acc[LM_DOTQ_TOKENS];
+        VN(vrowsf) acc[V_PASS_TOKENS];
         for (int t = 0; t < nt; t++) acc[t] = VN(rowsf_zero)();
         for (int64_t b = 0; b < nb; b++) {
             const r16_q4_K *c = w + g * nb + b;
@@ -249,7 +249,7 @@ VF void VN(q4K)(const r16_q4_K *w, int64_t ng, const lm_xq *x, int64_t t0, const
             const VN(vrowsf) d = VN(rowsf_half)(c->d), dm = VN(rowsf_half)(c->dmin);
             for (int j = 0; j < 8; j++) {
                 const int64_t G = 8 * b + j, e = QKK * b + 32 * j;
-                VN(vrows) isum[LM_DOTQ_TOKENS];
+                VN(vrows) isum[V_PASS_TOKENS];
                 if (words) {
                     VN(vwords) wv[8];
                     for (int k = 0; k < 4; k++) {
@@ -299,10 +299,10 @@ VF void VN(tiles_q6_K)(const r16_q6_K *c, VN(vtile) qh, int i, int h, VN(vtile) 
 VF void VN(q6K)(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT,
                 const int words, int nt, float *y, int64_t ldy, const int32_t *xs) {
     const int64_t K = x->n, nb = K / QKK;
-    VN(vtok) xt[LM_DOTQ_TOKENS];
+    VN(vtok) xt[V_PASS_TOKENS];
     for (int t = 0; t < nt; t++) xt[t] = VN(tok_at)(x, t0 + t);
     for (int64_t g = 0; g < ng; g++) {
-        VN(vrowsf) acc[LM_DOTQ_TOKENS];
+        VN(vrowsf) acc[V_PASS_TOKENS];
         for (int t = 0; t < nt; t++) acc[t] = VN(rowsf_zero)();
         for (int64_t b = 0; b < nb; b++) {
             const r16_q6_K *c = w + g * nb + b;
@@ -311,7 +311,7 @@ VF void VN(q6K)(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const
             for (int i = 0; i < QKK / 16; i++) {
                 const VN(vtile) qh = VN(tile_load)(c->qh[i]);
                 const int64_t G = 8 * b + i / 2, e = QKK * b + 16 * i;
-                VN(vrows) isum[LM_DOTQ_TOKENS];
+                VN(vrows) isum[V_PASS_TOKENS];
                 if (words) {
                     VN(vwords) wv[4];
                     for (int hh = 0; hh < 2; hh++) {
@@ -320,9 +320,11 @@ VF void VN(q6K)(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const
                         wv[2 * hh] = VN(widen)(u0);
                         wv[2 * hh + 1] = VN(widen)(u1);
                     }
-                    for (int t = 0; t < nt; t++)
-                        isum[t] = VN(rows_add)(VN(words_sum)(wv, 4, xt[t].q + e),
-                                               VN(rows_set1)(xs[t * (K / 16) + 16 * b + i]));
+                    VN(words_sums)(wv, 4, xt, nt, e, isum);
+                    for (int t = 0; t < nt; t++) {
+                        const int32_t x32 = xs[t * (K / 16) + 16 * b + i];
+                        isum[t] = VN(rows_add)(isum[t], VN(rows_set1)(x32));
+                    }
                 } else {
                     VN(vrows) l[V_TOKENS], h[V_TOKENS];
                     for (int t = 0; t < NT; t++) {
@@ -349,7 +351,7 @@ VF void VN(q6K)(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const
 }
 
 /* ------------------------------------------------------------------ entry points
- * nt (<= LM_DOTQ_TOKENS) tokens: in one pass of words from V_WORDS_FROM tokens (always for
+ * nt (<= V_PASS_TOKENS) tokens: in one pass of words from V_WORDS_FROM tokens (always for
  * Q8_0 where the layer cannot multiply its bytes), else in passes of V_TOKENS of bytes. */
 #define V_NT_SWITCH(call)                                                                          \
     switch (nt) {                                                                                  \
@@ -398,7 +400,7 @@ VFN void VN(dotq_r16_q4_K)(const void *w, int64_t ng, const lm_xq *x, int64_t t0
 VFN void VN(dotq_r16_q6_K)(const void *w, int64_t ng, const lm_xq *x, int64_t t0, int nt0,
                            float *y, int64_t ldy) {
     const int64_t K = x->n;
-    int32_t stack[LM_DOTQ_TOKENS * 1024];
+    int32_t stack[V_PASS_TOKENS * 1024];
     int32_t *xs = (size_t)(nt0 * (K / 16)) <= sizeof stack / sizeof *stack
                       ? stack
                       : malloc((size_t)(nt0 * (K / 16)) * sizeof(int32_t));
@@ -512,7 +514,7 @@ void VN(r16_kernels)(lm_kernels *k) {
     k->panel_r16[LM_Q4_K_R16] = VN(panel_r16_q4_K);
     k->panel_r16[LM_Q6_K_R16] = VN(panel_r16_q6_K);
     k->bytes_x16 = VN(bytes_x16);
-    k->r16_tokens = LM_DOTQ_TOKENS;
+    k->r16_tokens = V_PASS_TOKENS;
     k->r16_fast = 1;
     k->r16_prefill = V_INT_PREFILL;
 }

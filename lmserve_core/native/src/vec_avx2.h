@@ -21,6 +21,8 @@
  * registers; from two tokens a block's weights are widened to words once for all of them */
 #define V_TOKENS 4
 #define V_WORDS_FROM 2
+/* most tokens a call (lm_kernels.r16_tokens): a block's words serve all of them */
+#define V_PASS_TOKENS 16
 /* prefill's products stay on the f32 GEMM: 512 tokens of words run at 0.7-0.9x of its
  * rate on Zen 3 (benchmarks/README.md) */
 #define V_INT_PREFILL 0

@@ -6,5 +6,6 @@
 #undef V_HI_WU
 #undef V_BYTES_Q8
 #undef V_TOKENS
+#undef V_PASS_TOKENS
 #undef V_WORDS_FROM
 #undef V_INT_PREFILL

@@ -29,7 +29,8 @@
 /* a token's l and h sums are eight of the 32 registers */
 #define V_TOKENS 4
 /* the bytes serve every pass: dot products need no widening */
-#define V_WORDS_FROM (LM_DOTQ_TOKENS + 1)
+#define V_PASS_TOKENS LM_DOTQ_TOKENS
+#define V_WORDS_FROM (V_PASS_TOKENS + 1)
 #define V_INT_PREFILL 1
 
 typedef struct {
