@@ -294,8 +294,8 @@ VF void VN(tiles_q6_K)(const r16_q6_K *c, VN(vtile) qh, int i, int h, VN(vtile) 
 }
 
 /* Sub-block i (16 elements, half a group of x): the products of u, less 32 times the
- * sub-block's sum of x (xs), then acc = fma(sum, (d * scale_i) * step, acc). Words and
- * bytes as VN(q4K). */
+ * sub-block's sum of x (xs; words multiply q = u - 32 instead), then
+ * acc = fma(sum, (d * scale_i) * step, acc). Words and bytes as VN(q4K). */
 VF void VN(q6K)(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT,
                 const int words, int nt, float *y, int64_t ldy, const int32_t *xs) {
     const int64_t K = x->n, nb = K / QKK;
@@ -312,19 +312,15 @@ VF void VN(q6K)(const r16_q6_K *w, int64_t ng, const lm_xq *x, int64_t t0, const
                 const VN(vtile) qh = VN(tile_load)(c->qh[i]);
                 const int64_t G = 8 * b + i / 2, e = QKK * b + 16 * i;
                 VN(vrows) isum[V_PASS_TOKENS];
-                if (words) {
+                if (words) { /* the words hold q = u - 32 itself */
                     VN(vwords) wv[4];
                     for (int hh = 0; hh < 2; hh++) {
                         VN(vtile) u0, u1;
                         VN(tiles_q6_K)(c, qh, i, hh, &u0, &u1);
-                        wv[2 * hh] = VN(widen)(u0);
-                        wv[2 * hh + 1] = VN(widen)(u1);
+                        wv[2 * hh] = VN(widen)(VN(tile_sub)(u0, 32));
+                        wv[2 * hh + 1] = VN(widen)(VN(tile_sub)(u1, 32));
                     }
                     VN(words_sums)(wv, 4, xt, nt, e, isum);
-                    for (int t = 0; t < nt; t++) {
-                        const int32_t x32 = xs[t * (K / 16) + 16 * b + i];
-                        isum[t] = VN(rows_add)(isum[t], VN(rows_set1)(x32));
-                    }
                 } else {
                     VN(vrows) l[V_TOKENS], h[V_TOKENS];
                     for (int t = 0; t < NT; t++) {
@@ -395,12 +391,16 @@ VFN void VN(dotq_r16_q4_K)(const void *w, int64_t ng, const lm_xq *x, int64_t t0
     }
 }
 
-/* Q6_K: -32 times each token's sum of x over each sub-block of 16 first (up to 16384
- * columns on the stack) */
+/* Q6_K: words multiply q itself; bytes multiply u = q + 32, so -32 times each token's sum of
+ * x over each sub-block of 16 first (32 KiB of them on the stack, more on the heap) */
 VFN void VN(dotq_r16_q6_K)(const void *w, int64_t ng, const lm_xq *x, int64_t t0, int nt0,
                            float *y, int64_t ldy) {
+    if (nt0 >= V_WORDS_FROM) {
+        VN(q6K)(w, ng, x, t0, 1, 1, nt0, y, ldy, NULL);
+        return;
+    }
     const int64_t K = x->n;
-    int32_t stack[V_PASS_TOKENS * 1024];
+    int32_t stack[V_TOKENS * 2048];
     int32_t *xs = (size_t)(nt0 * (K / 16)) <= sizeof stack / sizeof *stack
                       ? stack
                       : malloc((size_t)(nt0 * (K / 16)) * sizeof(int32_t));
@@ -417,15 +417,11 @@ VFN void VN(dotq_r16_q6_K)(const void *w, int64_t ng, const lm_xq *x, int64_t t0
             xs[t * (K / 16) + i] = -32 * sum;
         }
     }
-    if (nt0 >= V_WORDS_FROM) {
-        VN(q6K)(w, ng, x, t0, 1, 1, nt0, y, ldy, xs);
-    } else {
-        for (int p = 0; p < nt0; p += V_TOKENS) {
-            const int nt = nt0 - p < V_TOKENS ? nt0 - p : V_TOKENS;
+    for (int p = 0; p < nt0; p += V_TOKENS) {
+        const int nt = nt0 - p < V_TOKENS ? nt0 - p : V_TOKENS;
 #define V_CALL(NT) VN(q6K)(w, ng, x, t0 + p, NT, 0, NT, y + p * ldy, ldy, xs + p * (K / 16))
-            V_NT_SWITCH(V_CALL)
+        V_NT_SWITCH(V_CALL)
 #undef V_CALL
-        }
     }
     if (xs != stack) free(xs);
 }
