@@ -170,15 +170,15 @@ DEF_V_APPLY(q8_0, r16_q8_0)
     VF void VN(b32_##name)(const col_t *w, int64_t ng, const lm_xq *x, int64_t t0, const int NT,   \
                            const int words, int nt, float *y, int64_t ldy) {                       \
         const int64_t nb = x->n / 32;                                                              \
-        VN(vtok) xt[V_PASS_TOKENS];                                                               \
+        VN(vtok) xt[V_PASS_TOKENS];                                                                \
         for (int t = 0; t < nt; t++) xt[t] = VN(tok_at)(x, t0 + t);                                \
         for (int64_t g = 0; g < ng; g++) {                                                         \
-            VN(vrowsf) acc[V_PASS_TOKENS];                                                        \
+            VN(vrowsf) acc[V_PASS_TOKENS];                                                         \
             for (int t = 0; t < nt; t++) acc[t] = VN(rowsf_zero)();                                \
             for (int64_t b = 0; b < nb; b++) {                                                     \
                 const col_t *c = w + g * nb + b;                                                   \
                 lm_r16_prefetch(c, sizeof *c);                                                     \
-                VN(vrows) isum[V_PASS_TOKENS];                                                    \
+                VN(vrows) isum[V_PASS_TOKENS];                                                     \
                 if (words) {                                                                       \
                     VN(vwords) wv[8];                                                              \
                     for (int k = 0; k < 4; k++) {                                                  \
