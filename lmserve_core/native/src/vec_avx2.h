@@ -23,9 +23,9 @@
 #define V_WORDS_FROM 2
 /* most tokens a call (lm_kernels.r16_tokens): a block's words serve all of them */
 #define V_PASS_TOKENS 16
-/* prefill's products stay on the f32 GEMM: 512 tokens of words run at 0.7-0.9x of its
- * rate on Zen 3 (benchmarks/README.md) */
-#define V_INT_PREFILL 0
+/* prefill's products are decode's, so a token has the same bits in a prompt as alone; the
+ * f32 GEMM (--prefill-precision f32) is up to 1.2x faster on Zen 3 (benchmarks/README.md) */
+#define V_INT_PREFILL 1
 
 typedef struct {
     __m256i v[2];
