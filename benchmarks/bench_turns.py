@@ -1,20 +1,28 @@
-"""The second turn of a long chat: how much of the first turn a server reuses, and what the
-user waits for. lmserve and llama.cpp's ``llama-server`` side by side.
+"""What a server reuses of earlier prompts, and what the user waits for: the second turn of a
+long chat, and conversations sharing a system prompt. lmserve and llama.cpp's
+``llama-server`` side by side.
 
     python benchmarks/bench_turns.py --models qwen35-0.8b --llama-server PATH [--threads 2]
-        [--rounds 2] [--out DIR] [--json OUT]
+        [--rounds 2] [--workloads turns,shared] [--out DIR] [--json OUT]
 
-Per round and server: a fresh server; turn 1 is a chat of about 2,000 prompt tokens (a
-document and a question), read cold; turn 2 sends the whole conversation back with turn 1's
-reply and a new question, as a client does. Both are streamed, greedy, 32 tokens, thinking
-off; the figures are each turn's time to first token and the prompt tokens the server says
-it reused (``cached_tokens``: lmserve in every dialect; llama-server in
-``prompt_tokens_details`` of the usage, or its ``timings.cache_n``).
+Per round, workload and server, a fresh server:
+
+- ``turns``: turn 1 is a chat of about 2,000 prompt tokens (a document and a question), read
+  cold; turn 2 sends the whole conversation back with turn 1's reply and a new question, as
+  a client does.
+- ``shared``: three conversations, one after another, with the same system prompt of about
+  800 tokens and different questions (sub-agents, a chat app's fixed instructions): the
+  second and third may reuse the first one's system prompt.
+
+Every reply is streamed, greedy, 32 tokens, thinking off; the figures are each request's
+time to first token and the prompt tokens the server says it reused (``cached_tokens``:
+lmserve in every dialect; llama-server in ``prompt_tokens_details`` of the usage, or its
+``timings.cache_n``).
 
 For models whose layers keep a recurrent state (Qwen3.5), neither server can cut the state
-back to a shorter prefix: what turn 2 reuses is a checkpoint of it taken while turn 1's
-prompt was read (lmserve: 4 and 1 tokens before its end, and every 1024 tokens;
-llama-server: its ``--ctx-checkpoints``).
+back to a shorter prefix: what is reused is a checkpoint of it taken while an earlier prompt
+was read (lmserve: at the end of the system prompt and of the last earlier messages, 4 and 1
+tokens before the end, and every 1024 tokens; llama-server: its ``--ctx-checkpoints``).
 
 The records and the printed lines go to ``--out`` (``bench-results/turns.json``, ``.md``).
 """
@@ -42,11 +50,11 @@ from results import Report, add_output_options, cpu_model  # noqa: E402
 MAX_TOKENS = 32
 
 
-def document() -> str:
+def document(sections: int = 64) -> str:
     parts = [
         f"Section {i}: notes about {TOPICS[i % len(TOPICS)]}, with dates, places and names "
         f"to remember for later questions, such as item {i * 7 % 101} and code {i * 13 % 97}."
-        for i in range(64)
+        for i in range(sections)
     ]
     return "Read these notes.\n" + "\n".join(parts)
 
@@ -103,18 +111,54 @@ def conversation(url: str) -> dict[str, Any]:
     return {"turn1": first, "turn2": second, "ratio": second["ttft"] / first["ttft"]}
 
 
+SHARED_QUESTIONS = ("What is section 3 about?", "Which code has section 11?", "Name two items.")
+
+
+def shared_system(url: str) -> dict[str, Any]:
+    system = "You answer from these notes, briefly.\n" + document(24)
+    asked = [
+        turn(url, [{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in SHARED_QUESTIONS
+    ]
+    later = statistics.median(a["ttft"] for a in asked[1:])
+    return {"asked": asked, "ratio": later / asked[0]["ttft"]}
+
+
+def describe(workload: str, result: dict[str, Any]) -> str:
+    if workload == "turns":
+        t1, t2 = result["turn1"], result["turn2"]
+        return (
+            f"turn 1: {t1['prompt_tokens']} prompt tokens, TTFT {t1['ttft']:.2f} s | turn 2: "
+            f"{t2['prompt_tokens']} prompt tokens, {t2['cached_tokens']} reused, TTFT "
+            f"{t2['ttft']:.2f} s | turn 2 / turn 1 {result['ratio']:.3f}"
+        )
+    return " | ".join(
+        f"conversation {i + 1}: {a['prompt_tokens']} prompt tokens, {a['cached_tokens']} "
+        f"reused, TTFT {a['ttft']:.2f} s"
+        for i, a in enumerate(result["asked"])
+    ) + f" | later / first {result['ratio']:.3f}"
+
+
+WORKLOADS = {"turns": conversation, "shared": shared_system}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="qwen35-0.8b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--llama-server", help="path of a built llama.cpp llama-server")
+    parser.add_argument("--workloads", default="turns,shared", help="of: turns, shared")
     parser.add_argument("--logs", type=Path, default=Path("/tmp"))
     add_output_options(parser)
     args = parser.parse_args()
     report = Report("turns", args, args.threads, args.llama_server)
     report.print(f"CPU: {cpu_model()}, {args.threads} threads")
     records: list[dict[str, Any]] = []
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
         path = model_path(name)
         for round_ in range(1, args.rounds + 1):
@@ -123,23 +167,20 @@ def main() -> None:
                 servers["llama-server"] = lambda p, port, t, b: llama_server_cmd(
                     args.llama_server, p, port, t, b
                 )
-            for server, cmd in servers.items():
+            for workload, server in [(w, s) for w in workloads for s in servers]:
                 port = free_port()
-                log = args.logs / f"bench_turns_{server}_{name}_{round_}.log"
-                with serving(cmd(path, port, args.threads, 1), port, log) as url:
+                log = args.logs / f"bench_turns_{server}_{name}_{workload}_{round_}.log"
+                with serving(servers[server](path, port, args.threads, 1), port, log) as url:
                     turn(url, [{"role": "user", "content": "Hello"}])  # warm up
-                    result = conversation(url)
-                t1, t2 = result["turn1"], result["turn2"]
+                    result = WORKLOADS[workload](url)
                 report.print(
-                    f"{name} round {round_} {server:12s} turn 1: {t1['prompt_tokens']} prompt "
-                    f"tokens, TTFT {t1['ttft']:.2f} s | turn 2: {t2['prompt_tokens']} prompt "
-                    f"tokens, {t2['cached_tokens']} reused, TTFT {t2['ttft']:.2f} s | "
-                    f"turn 2 / turn 1 {result['ratio']:.3f}"
+                    f"{name} round {round_} {workload} {server:12s} {describe(workload, result)}"
                 )
-                records.append({"model": name, "round": round_, "server": server, **result})
-    for server in {r["server"] for r in records}:
-        ratios = [r["ratio"] for r in records if r["server"] == server]
-        report.print(f"{server}: median turn 2 / turn 1 TTFT {statistics.median(ratios):.3f}")
+                records.append({"model": name, "round": round_, "workload": workload,
+                                "server": server, **result})
+    for workload, server in sorted({(r["workload"], r["server"]) for r in records}):
+        ratios = [r["ratio"] for r in records if (r["workload"], r["server"]) == (workload, server)]
+        report.print(f"{workload} {server}: median later / first TTFT {statistics.median(ratios):.3f}")
     report.finish(rounds=args.rounds, max_tokens=MAX_TOKENS, runs=records)
 
 

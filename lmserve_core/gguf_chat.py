@@ -51,10 +51,10 @@ from .events import (
 )
 from .gguf_file import GGUFFile
 from .kv_disk import DiskTier, model_fingerprint
-from .kv_slots import KVSlot, SlotPool
+from .kv_slots import KVSlot, SlotPool, common_prefix_length
 from .model import FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
-from .request import Constraint, NormalizedRequest, ToolCall, ToolChoiceMode
+from .request import Constraint, Message, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
 from .speculative import (
     FORCED,
@@ -83,6 +83,10 @@ PREFILL_CHUNK = 512  # most prompt tokens read in one step
 PREFILL_SLICE_S = 0.2
 PREFILL_MIN_SLICE = 32
 _PREPARED_MAX = 64  # renderings kept between validate and generate
+# Earlier messages whose end a checkpointed cache keeps (``_shared_prefixes``): each costs a
+# rendering of the conversation up to it.
+SHARED_MESSAGES = 2
+_PROBE = "\ue0ff"  # a message text no message begins with, to find where one begins
 
 # JSON output in one fixed, readable layout: free whitespace lets small models pad forever.
 _JSON_OPTIONS: Any = {  # llguidance's JsonCompileOptions
@@ -103,6 +107,8 @@ class _Prepared:
     matcher: Any = None  # llguidance.LLMatcher, fresh
     tools: ToolConvention | None = None  # how calls in the reply are read (None: they are not)
     grammar_field: str | None = None  # the request field the matcher's grammar came from
+    # where later prompts may leave this one (``GGUFChatBackend._shared_prefixes``)
+    shared: tuple[int, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -243,6 +249,10 @@ class GGUFChatBackend:
             self.model.copy_rows,
             disk=self._disk_tier(gguf, settings),
         )
+        # a cache that cannot be cut back keeps checkpoints where prompts may share a prefix
+        probe = self.model.new_cache(16)
+        self._checkpointed = not probe.kind.truncate
+        _close(probe)
         self._prepared: OrderedDict[str, _Prepared] = OrderedDict()
         self._prepared_lock = threading.Lock()
         self._grammar_tokenizer: Any = None
@@ -483,7 +493,33 @@ class GGUFChatBackend:
         self._check_bias(request)
         matcher, tools = self._tool_plan(request)
         field = _grammar_field(request) if matcher is not None else None
-        return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools, field)
+        shared = self._shared_prefixes(request, tokens) if self._checkpointed else ()
+        return _Prepared(request, tokens, max_tokens, think_inside, matcher, tools, field, shared)
+
+    def _shared_prefixes(self, request: NormalizedRequest, tokens: list[int]) -> tuple[int, ...]:
+        """Prompt positions where later prompts may leave this one: the end of its leading
+        system messages (other conversations with the same system prompt) and of its last
+        ``SHARED_MESSAGES`` earlier messages (a turn edited, retried, or answered otherwise),
+        with the next message's opener. Each is found by rendering the conversation with
+        that message's text replaced (templates may refuse a conversation stopped early):
+        the tokens that rendering shares with the prompt."""
+        messages = request.messages
+        if request.prompt is not None or len(messages) < 2:
+            return ()
+        n = len(messages)
+        lead = next((i for i, m in enumerate(messages) if m.role != "system"), n)
+        cuts = sorted({lead, *range(n - SHARED_MESSAGES, n)} & set(range(1, n)))
+        out: list[int] = []
+        for k in cuts:
+            probe = Message(role=messages[k].role, content=_PROBE)
+            other = replace(request, messages=[*messages[:k], probe])
+            try:
+                text, plain = self._render(other, opener=False)
+                ids = self._encode_prompt(text, len(tokens), plain)
+            except (LmserveError, TooManyTokens):  # a template that wants the whole chat
+                continue
+            out.append(common_prefix_length(ids, tokens))
+        return tuple(p for p in out if p > 0)
 
     def _check_bias(self, request: NormalizedRequest) -> None:
         """A 400 naming ``logit_bias`` for a biased id outside the vocabulary."""
@@ -565,12 +601,13 @@ class GGUFChatBackend:
             return None
 
     def _render(
-        self, request: NormalizedRequest, most: int | None = None
+        self, request: NormalizedRequest, most: int | None = None, opener: bool = True
     ) -> tuple[str, list[tuple[int, int]]]:
         """The chat prompt, and the spans of control-token text its messages and tools
         supplied: those are tokenized as text, never as control tokens. With ``most``, a
         prompt too long for that many tokens by its length alone is ``TooManyTokens`` before
-        those spans are found (one each: there may be millions)."""
+        those spans are found (one each: there may be millions). Without ``opener``, the
+        conversation alone, without the reply's opener."""
         guard = ControlTextGuard(self.tokenizer.control_texts_in)
         kwargs: dict[str, Any] = dict(request.template_kwargs)
         switch = self.conventions.thinking_switch
@@ -581,8 +618,8 @@ class GGUFChatBackend:
         hidden = request.tool_choice.mode == ToolChoiceMode.NONE
         tools = None if hidden else (guard.apply(tool_dicts(request.tools)) or None)
         messages = guard.apply(message_dicts(request.messages))
-        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **kwargs)
-        if tools and self.capabilities.tools is None and _forced(request):
+        text = self.template.render(messages, tools=tools, add_generation_prompt=opener, **kwargs)
+        if opener and tools and self.capabilities.tools is None and _forced(request):
             # A family without a convention gets its forced call from a grammar; if its
             # template ignores the declarations, they go into a system message instead, so
             # the model knows what it is calling.
@@ -592,7 +629,7 @@ class GGUFChatBackend:
                 text = self.template.render(
                     messages, tools=None, add_generation_prompt=True, **kwargs
                 )
-        finish = self.conventions.finish_prompt
+        finish = self.conventions.finish_prompt if opener else None
         text = text if finish is None else finish(text)
         if most is not None:
             at_least = self.tokenizer.fewest_tokens(guard.restored_length(text))
@@ -802,7 +839,7 @@ class GGUFChatBackend:
             gen.slot.busy = True
             plan = getattr(gen.slot.cache, "plan", None)
             if plan is not None:  # a recurrent state: where to keep checkpoints of it
-                plan(len(prompt))
+                plan(len(prompt), gen.prepared.shared)
             log.info(
                 "kv_reuse", id=gen.request.id, tier=self.slots.last_tier,
                 cached_tokens=gen.usage.cached_tokens, prompt_tokens=len(prompt),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -47,8 +47,9 @@ SLIDING = CacheKind(name="sliding")
 # cut back, so the cache resumes only from its end or from a checkpoint it kept.
 RECURRENT = CacheKind(name="recurrent", truncate=False)
 
-# Checkpoints of the recurrent state a cache keeps at most (each is the states' bytes), and
-# the spacing of the evenly spaced ones in a long prompt.
+# Checkpoints of the recurrent state a cache keeps at most (each is the states' bytes: the
+# RAM guard prices them, ``kv_bytes``), and the spacing of the evenly spaced ones in a long
+# prompt.
 MAX_CHECKPOINTS = 8
 CHECKPOINT_EVERY = 1024
 # Checkpoints this many positions before the end of a prompt: a chat's next turn renders
@@ -113,7 +114,9 @@ class RecurrentCache(NativeCache):
     so the next forward continues at ``pos``. A state cannot be cut back, so the cache keeps
     checkpoints (the states' bytes at chosen positions: :meth:`plan` marks them before a
     prompt is read, and the forward pass stops there to take them) and can continue from
-    ``pos`` or from any checkpoint; attention rows keep any prefix.
+    ``pos`` or from any checkpoint; attention rows keep any prefix. Checkpoints where other
+    prompts may share the prefix (``plan``'s ``shared``: a system prompt's end) are the last
+    to give way when there are too many.
     """
 
     def __init__(self, model: NativeForwardModel, n_ctx: int, kv_type: str) -> None:
@@ -121,6 +124,7 @@ class RecurrentCache(NativeCache):
         self.pos = 0
         self.checkpoints: dict[int, npt.NDArray[np.uint8]] = {}  # position: states' bytes
         self.planned: set[int] = set()  # positions to take a checkpoint at when reached
+        self.shared: set[int] = set()  # positions other prompts may share the prefix up to
         self._mark: tuple[int, npt.NDArray[np.uint8]] | None = None
 
     @property
@@ -143,6 +147,7 @@ class RecurrentCache(NativeCache):
         if n == 0:
             self.pos = 0  # the forward pass at position 0 starts from a zero state
             self.checkpoints.clear()
+            self.shared.clear()
             return
         state = self.checkpoints.get(n)
         if state is None:
@@ -151,13 +156,17 @@ class RecurrentCache(NativeCache):
         self.pos = n
         self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= n}
 
-    def plan(self, end: int) -> None:
+    def plan(self, end: int, shared: Iterable[int] = ()) -> None:
         """Mark the checkpoints to take while a prompt of ``end`` positions is read from
-        ``pos``: 4 and 1 positions before its end, and every ``CHECKPOINT_EVERY`` positions
-        of a long one. (Its end needs none: the state is there when the reply starts.)"""
+        ``pos``: 4 and 1 positions before its end, every ``CHECKPOINT_EVERY`` positions of a
+        long one, and at ``shared``, where other prompts may leave this one (the end of its
+        system prompt, of its earlier messages). (Its end needs none: the state is there
+        when the reply starts.)"""
+        shared = {p for p in shared if self.pos < p < end}
         marks = set(range(CHECKPOINT_EVERY, end, CHECKPOINT_EVERY))
         marks |= {end - k for k in CHECKPOINTS_BEFORE_END}
-        self.planned = {p for p in marks if self.pos < p <= end}
+        self.planned = {p for p in marks | shared if self.pos < p <= end}
+        self.shared = {p for p in self.shared if p <= self.pos} | shared
 
     def stops(self, pos: int, n: int) -> list[int]:
         """Where a forward of ``n`` tokens from ``pos`` must stop for a checkpoint."""
@@ -170,7 +179,14 @@ class RecurrentCache(NativeCache):
             self.planned.discard(end)
             self.checkpoints[end] = self.native.recurrent_state()
             while len(self.checkpoints) > MAX_CHECKPOINTS:
-                del self.checkpoints[min(self.checkpoints)]
+                del self.checkpoints[min(self.checkpoints, key=self._keep_rank)]
+
+    def _keep_rank(self, p: int) -> tuple[int, int]:
+        """What losing checkpoint ``p`` costs, least first: the earliest ordinary ones, then
+        shared prefixes, and last the earliest of those (the prefix most prompts share)."""
+        shared = p in self.shared
+        first = shared and p == min(self.shared & self.checkpoints.keys())
+        return int(shared) + int(first), p
 
     def mark(self) -> None:
         """Remember the present state (:meth:`rewind` returns to it): before a verify pass
@@ -194,6 +210,7 @@ class RecurrentCache(NativeCache):
             self.native.load_recurrent(src.checkpoints[n])
         self.pos = n
         self.checkpoints = {p: s for p, s in src.checkpoints.items() if p <= n}
+        self.shared = {p for p in src.shared if p <= n}
 
     def snapshot(self, n: int) -> npt.NDArray[np.uint8]:
         """The state of positions [0, n) (n == ``pos``) and the checkpoints before it, as
@@ -224,6 +241,7 @@ class RecurrentCache(NativeCache):
             p: raw[body + i * size : body + (i + 1) * size].copy() for i, p in enumerate(marks)
         }
         self.planned = set()
+        self.shared = set()
 
 
 class Routing:

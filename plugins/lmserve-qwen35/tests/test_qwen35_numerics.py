@@ -31,6 +31,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
+from lmserve_core.kit.forward import MAX_CHECKPOINTS  # noqa: E402
 from lmserve_core.testing.conformance import (  # noqa: E402
     FamilyConformance,
     Subject,
@@ -167,6 +168,33 @@ def test_chunked_prefill_stops_at_checkpoints_and_resumes_from_them(
         small.forward(other, ids[:3], 2)
     with pytest.raises(ValueError, match="no checkpoint"):
         other.truncate(5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shared_prefixs_checkpoint_outlives_the_others(kind: str, synthetic: Any) -> None:
+    """Turn after turn, the oldest ordinary checkpoints give way first, then shared ones, and
+    the earliest shared prefix (a system prompt's end) last; each still resumes the state."""
+    ref = subject(synthetic, kind)
+    model = ref.model(n_batch=16)
+    ids = ref.ids(PROMPTS[3] + PROMPTS[1] + PROMPTS[2]) * 3
+    turn = len(ids) // 6
+    system = turn // 2
+    cache = model.new_cache(len(ids))
+    for t in range(6):
+        end = (t + 1) * turn
+        cache.plan(end, [system] if t == 0 else [end - turn // 2])
+        model.forward(cache, ids[cache.pos : end], cache.pos)
+    kept = sorted(cache.checkpoints)
+    assert len(kept) == MAX_CHECKPOINTS
+    # 6 turns took 1 + 6 * 3 checkpoints: the system prompt's and the last turns' shared
+    # ones are kept, and the ordinary ones of the latest turns
+    assert kept[0] == system
+    assert {t * turn + turn // 2 for t in range(1, 6)} <= set(kept)
+    assert {6 * turn - 4, 6 * turn - 1} <= set(kept)
+    whole = model.forward(model.new_cache(len(ids)), ids[: 6 * turn], 0, all_logits=True)
+    cache.truncate(system)
+    again = model.forward(cache, ids[system : 6 * turn], system, all_logits=True)
+    assert np.abs(again - whole[system:]).max() <= PATH_ATOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
