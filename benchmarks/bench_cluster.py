@@ -17,12 +17,20 @@ one request at a time, the latency of a one-token reply and the mean gap between
 tokens of one stream. The cost of the ingress is ``1x2`` minus ``plain`` on the last two:
 the same engine on the same threads, with Ray's proxy, the ingress and the replica call in
 between.
+
+``--burst 8,16,32`` adds the burst workload on ``1x2`` and ``2x1``: that many two-turn
+conversations at once, each with a system prompt of its own (about 330 tokens); all first
+turns together, then all second turns (the whole conversation sent back). Per burst: how
+the first turns spread over the replicas, how many second turns reach their first turn's
+replica, the second turns' share of cached prompt tokens, TTFT p50 / p95 over every turn
+and aggregate completion tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -82,6 +90,74 @@ async def token_gap(url: str, max_tokens: int, n: int) -> float:
     return statistics.median(gaps)
 
 
+BURST_TOKENS = 32  # completion tokens of each burst turn
+
+
+def burst_system(i: int) -> str:
+    notes = [f"Note {j}: the parcel {i * 31 + j} left depot {(i + j * 7) % 53} on day "
+             f"{(i * 3 + j) % 29}, insured for {(i + 1) * (j + 2)} coins." for j in range(12)]
+    return f"You are the clerk of office {i}. Answer from these records.\n" + "\n".join(notes)
+
+
+async def burst_turn(client: httpx.AsyncClient, url: str,
+                     messages: list[dict[str, str]]) -> dict[str, Any]:
+    """One streamed turn: its replica, TTFT, cached and completion tokens, reply text."""
+    body = {"model": "m", "messages": messages, "max_tokens": BURST_TOKENS, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    out: dict[str, Any] = {"ttft": None, "text": "", "cached": 0, "prompt": 0, "tokens": 0}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+        out["replica"] = reply.headers.get("x-lmserve-replica")
+        if reply.status_code != 200:
+            out["error"] = f"{reply.status_code}: {(await reply.aread())[:200]!r}"
+            return out
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage")
+            if usage:
+                out["tokens"] = int(usage["completion_tokens"])
+                out["prompt"] = int(usage["prompt_tokens"])
+                out["cached"] = int((usage.get("prompt_tokens_details") or {})
+                                    .get("cached_tokens") or 0)
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    out["ttft"] = out["ttft"] or time.perf_counter() - sent
+                    out["text"] += piece
+    out["ttft"] = out["ttft"] or time.perf_counter() - sent
+    return out
+
+
+async def run_burst(url: str, n: int) -> dict[str, Any]:
+    chats = [[{"role": "system", "content": burst_system(i)},
+              {"role": "user", "content": "Which parcel left first?"}] for i in range(n)]
+    async with httpx.AsyncClient(timeout=900) as client:
+        started = time.perf_counter()
+        first = await asyncio.gather(*(burst_turn(client, url, c) for c in chats))
+        for c, t in zip(chats, first, strict=True):
+            c += [{"role": "assistant", "content": t["text"]},
+                  {"role": "user", "content": "And which one was insured for the most?"}]
+        second = await asyncio.gather(*(burst_turn(client, url, c) for c in chats))
+        wall = time.perf_counter() - started
+    turns = first + second
+    ttfts = sorted(t["ttft"] for t in turns)
+    spread: dict[str, int] = {}
+    for t in first:
+        spread[str(t.get("replica"))] = spread.get(str(t.get("replica")), 0) + 1
+    return {
+        "conversations": n,
+        "first_spread": sorted(spread.values(), reverse=True),
+        "stayed": sum(a.get("replica") == b.get("replica") for a, b in zip(first, second, strict=True)),
+        "cached_share": statistics.mean(t["cached"] / max(1, t["prompt"]) for t in second),
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+        "tok_s": sum(t["tokens"] for t in turns) / wall,
+        "errors": [t["error"] for t in turns if "error" in t],
+    }
+
+
 def measure(url: str, chats: int, max_tokens: int) -> dict[str, Any]:
     asyncio.run(run_chats(url, chats, 8))  # warm up every replica
     figures = asyncio.run(run_chats(url, chats, max_tokens))
@@ -97,6 +173,9 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--burst", default="", help="conversations of the burst workload, "
+                        "e.g. 8,16,32 (on 1x2 and 2x1); none by default")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="of: plain, 1x2, 2x1")
     add_output_options(parser)
     args = parser.parse_args()
     path = model_path(args.model)
@@ -104,13 +183,25 @@ def main() -> None:
     report.print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; {args.model}, "
                  f"{args.chats} concurrent chats of {args.max_tokens} tokens, --batch 8")
     logs = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    bursts = [int(n) for n in args.burst.split(",") if n.strip()]
     records = []
+    bursts_done: list[dict[str, Any]] = []
     for round_ in range(1, args.rounds + 1):
-        for setup in SETUPS:
+        for setup in setups:
             port = free_port()
             with serving(command(setup, path, port), port,
                          logs / f"{setup}-{round_}.log") as url:
                 figures = measure(url, args.chats, args.max_tokens)
+                for n in bursts if setup != "plain" else []:
+                    done = asyncio.run(run_burst(url, n))
+                    bursts_done.append({"setup": setup, "round": round_, **done})
+                    report.print(
+                        f"round {round_} {setup:>5} burst of {n}: first turns "
+                        f"{done['first_spread']}, {done['stayed']}/{n} second turns on their "
+                        f"replica, cached share {done['cached_share']:.2f}, TTFT p50 "
+                        f"{done['ttft_p50'] * 1000:.0f} ms p95 {done['ttft_p95'] * 1000:.0f} ms,"
+                        f" {done['tok_s']:.1f} tok/s, errors {len(done['errors'])}")
             if figures["errors"]:
                 report.print(f"{setup}: errors {figures['errors'][:3]}")
             records.append({"setup": setup, "round": round_, **figures})
@@ -121,19 +212,22 @@ def main() -> None:
                 f"{figures['token_gap_s'] * 1000:5.2f} ms (load {figures['load']})")
     report.print("\nmedians over the rounds")
     by: dict[str, dict[str, float]] = {}
-    for setup in SETUPS:
+    for setup in setups:
         mine = [r for r in records if r["setup"] == setup]
         by[setup] = {k: statistics.median(r[k] for r in mine)
                      for k in ("tok_s", "ttft_p50", "ttft_p95", "one_token_s", "token_gap_s")}
         m = by[setup]
         report.print(f"{setup:>5}: {m['tok_s']:6.1f} tok/s, TTFT p50 {m['ttft_p50'] * 1000:6.0f}"
                      f" ms p95 {m['ttft_p95'] * 1000:6.0f} ms")
-    hop = by["1x2"]["one_token_s"] - by["plain"]["one_token_s"]
-    gap = by["1x2"]["token_gap_s"] - by["plain"]["token_gap_s"]
-    report.print(f"the ingress adds {hop * 1000:.1f} ms per request and {gap * 1000:.2f} ms "
-                 f"per streamed token (1x2 minus plain)")
+    hop = gap = None
+    if "1x2" in by and "plain" in by:
+        hop = by["1x2"]["one_token_s"] - by["plain"]["one_token_s"]
+        gap = by["1x2"]["token_gap_s"] - by["plain"]["token_gap_s"]
+        report.print(f"the ingress adds {hop * 1000:.1f} ms per request and {gap * 1000:.2f} ms "
+                     f"per streamed token (1x2 minus plain)")
     report.finish(chats=args.chats, max_tokens=args.max_tokens, rounds=args.rounds,
-                  records=records, medians=by, ingress_request_s=hop, ingress_token_s=gap)
+                  records=records, medians=by, ingress_request_s=hop, ingress_token_s=gap,
+                  bursts=bursts_done)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ def test_errors_health_and_metrics(cluster, oai, ant) -> None:
     assert "# TYPE lmserve_generated_tokens_total counter" in text
     for name in names:
         assert f'replica="{name}"' in text
+    assert 'lmserve_route_moves_total{replica="ingress"}' in text  # the ingress's own
 
 
 def active(cluster: RunningServer) -> float:
@@ -212,6 +213,35 @@ def test_affinity_keeps_conversations_cached(cluster) -> None:
           f"{sum(affine) / len(affine):.1%} (min {min(affine):.1%}); round robin: "
           f"{sum(spread) / len(spread):.1%} (min {min(spread):.1%})")
     assert min(affine) >= 0.9
+
+
+def test_a_burst_of_conversations_spreads_and_each_keeps_its_cache(cluster) -> None:
+    """Eight new conversations at once, then their second turns at once: each replica takes
+    some (at most what it admits: 4 running and 2 waiting), and every second turn finds its
+    first turn's replica and its history cached."""
+    def ask(messages: list[dict[str, str]]) -> httpx.Response:
+        r = httpx.post(cluster.base_url + "/v1/chat/completions", headers=AUTH, timeout=180,
+                       json={"model": "m", "messages": messages, "temperature": 0,
+                             "max_tokens": 16})
+        assert r.status_code == 200, r.text
+        return r
+
+    convs = [[{"role": "system", "content": SYSTEM.format(i=100 + i)},
+              {"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]}."}]
+             for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        firsts = list(pool.map(ask, convs))
+    for conv, first in zip(convs, firsts, strict=True):
+        conv += [first.json()["choices"][0]["message"], {"role": "user", "content": "More?"}]
+    with ThreadPoolExecutor(8) as pool:
+        seconds = list(pool.map(ask, convs))
+    homes = [r.headers["x-lmserve-replica"] for r in firsts]
+    assert len(set(homes)) == 2 and max(homes.count(h) for h in homes) <= 6, homes
+    assert [r.headers["x-lmserve-replica"] for r in seconds] == homes
+    for first, second in zip(firsts, seconds, strict=True):
+        usage = first.json()["usage"]
+        history = usage["prompt_tokens"] + usage["completion_tokens"]
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * history
 
 
 def test_a_session_stays_on_its_replica_until_it_is_full(cluster) -> None:

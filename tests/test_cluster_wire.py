@@ -59,6 +59,41 @@ def test_rendezvous_ranking_moves_only_the_keys_of_a_lost_replica() -> None:
     assert all(wire.rank_by_key(k, names, str)[1] == without[k] for k in keys if owner[k] == "r1")
 
 
+def test_a_burst_of_new_conversations_spreads_evenly_and_each_keeps_its_replica() -> None:
+    for names, n in ((["r0", "r1"], 8), (["r0", "r1"], 7), (["r0", "r1", "r2"], 16)):
+        affinity = wire.Affinity()
+        first = {f"conv-{i}": affinity.place(f"conv-{i}", names)[0] for i in range(n)}
+        counts = [list(first.values()).count(name) for name in names]
+        assert max(counts) - min(counts) <= 1, (names, counts)  # within one of even
+        for key, name in first.items():  # the later turns go back, most recent first
+            assert affinity.place(key, names) == [name, *wire.rank_by_key(
+                key, [m for m in names if m != name], str)]
+            assert not affinity.routed(key, name)
+
+
+def test_a_conversation_moves_only_where_its_request_went() -> None:
+    affinity = wire.Affinity()
+    names = ["r0", "r1"]
+    home = affinity.place("a", names)[0]
+    other = next(name for name in names if name != home)
+    assert affinity.routed("a", other)  # its replica was full: the other took it
+    assert affinity.place("a", names)[0] == other and not affinity.routed("a", other)
+    # a replica that leaves gives its conversations to the rest; the others stay
+    keys = [f"c{i}" for i in range(20)]
+    before = {k: affinity.place(k, ["r0", "r1", "r2"])[0] for k in keys}
+    after = {k: affinity.place(k, ["r0", "r2"])[0] for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "r1")
+    assert all(after[k] in ("r0", "r2") for k in keys)
+
+
+def test_the_table_forgets_the_least_recent_conversations() -> None:
+    affinity = wire.Affinity(capacity=4)
+    for i in range(10):
+        affinity.place(f"c{i}", ["r0", "r1"])
+    assert list(affinity.owner) == ["c6", "c7", "c8", "c9"]
+    assert sum(affinity.held.values()) == 4 and set(affinity.held.values()) == {2}
+
+
 def test_refusals_are_in_the_dialects_envelope() -> None:
     content, headers = wire.error_response("/v1/messages", {}, 429, "busy", retry_after=3)
     assert json.loads(content) == {"type": "error",

@@ -202,6 +202,7 @@ class LmserveIngress:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             texts = await self.board.fresh.remote(METRICS_PERIOD_S * 5)
+            texts["ingress"] = wire.routing_metrics()
             return Response(wire.merge_metrics(texts), media_type=wire.METRICS_TYPE)
         body = await request.body()
         headers = request.headers

@@ -4,12 +4,14 @@ No Ray here: this module is imported (and tested) without it."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,12 +27,18 @@ ROUTING_HEADER = "x-lmserve-routing"
 ROUTINGS = ("prefix", "round-robin")
 # How much of a prompt or first message decides where a conversation goes.
 KEY_CHARS = 1024
+# The ingress's own metrics, merged into its /metrics with the replicas' (replica="ingress").
+ROUTING = CollectorRegistry()
+ROUTE_MOVES = Counter(
+    "lmserve_route_moves", "Conversations moved to another replica (each costs a prefill)",
+    registry=ROUTING,
+)
 
 
 _T = TypeVar("_T")
 
-__all__ = ["METRICS_TYPE", "StreamWatch", "error_response", "merge_metrics", "rank_by_key",
-           "routing_key"]
+__all__ = ["METRICS_TYPE", "Affinity", "StreamWatch", "error_response", "merge_metrics",
+           "rank_by_key", "routing_key"]
 
 
 def json_bytes(value: Any) -> bytes:
@@ -96,6 +104,57 @@ def rank_by_key(key: str, items: list[_T], name: Callable[[_T], str]) -> list[_T
         return hashlib.blake2b(f"{key}\0{name(item)}".encode(), digest_size=8).digest()
 
     return sorted(items, key=weight, reverse=True)
+
+
+class Affinity:
+    """Which replica each conversation (routing key) belongs to, as one ingress placed them.
+
+    A new conversation goes to the replica that holds the fewest conversations, ties going
+    by rendezvous rank: the conversations of a burst spread evenly at once, without waiting
+    for a load reading to move. A known one goes back to its replica while that replica is
+    among the candidates; it moves only when the request lands elsewhere (its replica was
+    full or is gone: :meth:`routed` says so). The table holds the ``capacity`` most recently
+    seen conversations; a conversation forgotten is placed again like a new one.
+    """
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        self.capacity = capacity
+        self.owner: OrderedDict[str, str] = OrderedDict()  # key: replica name
+        self.held: collections.Counter[str] = collections.Counter()  # replica: its conversations
+
+    def place(self, key: str, names: list[str]) -> list[str]:
+        """``names`` (the candidate replicas) in the order to try for ``key``: its replica
+        first (chosen now when it has none among them), then the others by rendezvous rank."""
+        ranked = rank_by_key(key, names, str)
+        owner = self.owner.get(key)
+        if owner not in names:
+            owner = min(ranked, key=lambda name: self.held[name])  # stable: rank breaks ties
+            self._own(key, owner)
+        else:
+            self.owner.move_to_end(key)
+        return [owner, *(name for name in ranked if name != owner)]
+
+    def routed(self, key: str, name: str) -> bool:
+        """The request of ``key`` went to replica ``name``; True when that moved it."""
+        moved = self.owner.get(key) not in (None, name)
+        if moved or key not in self.owner:
+            self._own(key, name)
+        return moved
+
+    def _own(self, key: str, name: str) -> None:
+        old = self.owner.pop(key, None)
+        if old is not None:
+            self.held[old] -= 1
+        self.owner[key] = name
+        self.held[name] += 1
+        while len(self.owner) > self.capacity:
+            _, gone = self.owner.popitem(last=False)
+            self.held[gone] -= 1
+
+
+def routing_metrics() -> str:
+    """The ingress's own metrics (its router's moves), in Prometheus text."""
+    return generate_latest(ROUTING).decode()
 
 
 def error_response(
