@@ -63,11 +63,16 @@ def install_browser(session: nox.Session) -> None:
         session.warn("cannot install chromium: the browser tests will not run")
 
 
-def install_arm_tools(session: nox.Session) -> None:
-    """Debian's AArch64 cross compiler and qemu-user, for the kernels' checks on Arm
-    (tests/test_kernels_arm.py), when missing and this runs as root on Debian; otherwise those
-    tests skip (and fail under CI)."""
-    tools = ("/usr/bin/aarch64-linux-gnu-gcc", "/usr/bin/qemu-aarch64-static")
+def install_kernel_tools(session: nox.Session) -> None:
+    """The kernels' tools beyond the compiler, when missing and this runs as root on Debian:
+    the AArch64 cross compiler and qemu-user (tests/test_kernels_arm.py) and SIMDe, which
+    emulates AVX-512 (tests/test_kernels_avx512_emulated.py); otherwise those tests skip (and
+    fail under CI)."""
+    tools = (
+        "/usr/bin/aarch64-linux-gnu-gcc",
+        "/usr/bin/qemu-aarch64-static",
+        "/usr/include/simde/x86/avx512.h",
+    )
     if all(Path(t).exists() for t in tools) or os.geteuid() != 0 or not shutil.which("apt-get"):
         return
     env = {"DEBIAN_FRONTEND": "noninteractive"}
@@ -75,10 +80,10 @@ def install_arm_tools(session: nox.Session) -> None:
         session.run("apt-get", "update", "-qq", external=True, env=env)
         session.run(
             "apt-get", "install", "-y", "-qq", "gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross",
-            "qemu-user-static", external=True, env=env,
+            "qemu-user-static", "libsimde-dev", external=True, env=env,
         )
     except CommandFailed:
-        session.warn("cannot install the AArch64 tools: the Arm kernel checks will not run")
+        session.warn("cannot install the kernels' tools: the Arm and AVX-512 checks will not run")
 
 
 @nox.session(python="3.11")
@@ -87,7 +92,7 @@ def tests(session: nox.Session) -> None:
     chat page in headless Chromium (playwright comes with the `test` extra; Chromium is
     Debian's: see lmserve_core/testing/browser.py)."""
     install_browser(session)
-    install_arm_tools(session)
+    install_kernel_tools(session)
     install_project(session, reference=True)
     session.run(
         "pytest", "tests", *[f"{p}/tests" for p in PLUGINS], "-q",
@@ -99,7 +104,7 @@ def tests(session: nox.Session) -> None:
 def arm(session: nox.Session) -> None:
     """The kernels' products on AArch64 under qemu-user (part of ``tests`` too): NEON with the
     dot products, with I8MM, and the portable path, against the portable bits."""
-    install_arm_tools(session)
+    install_kernel_tools(session)
     install_project(session)
     session.run("pytest", "tests/test_kernels_arm.py", "-q", "-p", "no:cacheprovider",
                 *session.posargs)

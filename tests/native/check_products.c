@@ -15,18 +15,7 @@
 #include "lmserve/kernels.h"
 #include "lmserve/kernels_impl.h"
 
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-
-static uint32_t next(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-
-static float uniform(void) { /* [-1, 1) */
-    return (float)(next() & 0xFFFFFF) / (float)(1 << 23) - 1.0f;
-}
+#include "rng.h"
 
 /* Random blocks with sane f16 scales (random scale bits would include NaNs). */
 static void random_rows(int type, uint8_t *w, int64_t rows, int64_t cols) {
