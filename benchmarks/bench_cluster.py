@@ -141,8 +141,8 @@ async def run_burst(url: str, n: int) -> dict[str, Any]:
                   {"role": "user", "content": "And which one was insured for the most?"}]
         second = await asyncio.gather(*(burst_turn(client, url, c) for c in chats))
         wall = time.perf_counter() - started
-    turns = first + second
-    ttfts = sorted(t["ttft"] for t in turns)
+    turns = [t for t in first + second if "error" not in t]  # refusals (429) counted apart
+    ttfts = sorted(t["ttft"] for t in turns) or [float("nan")]
     spread: dict[str, int] = {}
     for t in first:
         spread[str(t.get("replica"))] = spread.get(str(t.get("replica")), 0) + 1
@@ -150,11 +150,12 @@ async def run_burst(url: str, n: int) -> dict[str, Any]:
         "conversations": n,
         "first_spread": sorted(spread.values(), reverse=True),
         "stayed": sum(a.get("replica") == b.get("replica") for a, b in zip(first, second, strict=True)),
-        "cached_share": statistics.mean(t["cached"] / max(1, t["prompt"]) for t in second),
+        "cached_share": statistics.mean(
+            [t["cached"] / max(1, t["prompt"]) for t in second if "error" not in t] or [0.0]),
         "ttft_p50": statistics.median(ttfts),
         "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
         "tok_s": sum(t["tokens"] for t in turns) / wall,
-        "errors": [t["error"] for t in turns if "error" in t],
+        "errors": [t["error"] for t in first + second if "error" in t],
     }
 
 

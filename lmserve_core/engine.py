@@ -190,6 +190,9 @@ class Engine:
         disk = getattr(pool, "disk", None)
         if disk is not None:
             self.metrics.watch_disk(lambda: disk.stats)
+        kv_bytes = getattr(backend, "kv_bytes", None)
+        if isinstance(kv_bytes, int):
+            self.metrics.kv_bytes.set(kv_bytes)
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
         self.prepare_threads = PREPARE_THREADS if prepare_threads is None else prepare_threads
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(

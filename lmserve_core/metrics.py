@@ -76,6 +76,10 @@ class Metrics:
             "lmserve_kv_slots", "KV slots by state: busy (a generation runs in it), resident "
             "(holds a reusable prefix), empty", ["state"], registry=r,
         )
+        self.kv_bytes = Gauge(
+            "lmserve_kv_bytes", "Memory the KV slots take once every position is written (the "
+            "RAM guard's plan)", registry=r,
+        )
 
     def watch(self, queued: Callable[[], float], active: Callable[[], float],
               slots: Callable[[], Any] | None = None) -> None:

@@ -21,6 +21,8 @@ import pytest
 from models import smollm2_path
 from processes import API_KEY, RunningServer, launch
 
+from lmserve_core.testing import soak
+
 pytestmark = pytest.mark.slow
 
 if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
@@ -297,6 +299,36 @@ def test_overload_answers_429_with_retry_after(cluster) -> None:
                 assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
             else:
                 assert body["error"]["type"] == "rate_limit_error"
+
+
+def test_soak_with_a_replica_killed_loses_only_its_requests(cluster) -> None:
+    """Twelve users for a minute, a third of the replies cut by their reader, a replica
+    killed halfway: nothing hangs, only requests on the killed replica are lost, each of its
+    conversations is served again, and the ingress and the other replica keep their
+    descriptors and memory."""
+    before = replicas(cluster)
+    assert len(before) == 2
+    victim = sorted(before)[0]
+    survivor = next(name for name in before if name != victim)
+
+    def kill() -> str:
+        os.kill(before[victim], signal.SIGKILL)
+        return victim
+
+    def watch() -> dict[str, int]:
+        pid = soak.cluster_ingress_pid()
+        return {"replica": before[survivor], **({"ingress": pid} if pid else {})}
+
+    report = asyncio.run(soak.soak(cluster.base_url, seconds=60, clients=12, fault=kill,
+                                   watch=watch, api_key=API_KEY))
+    figures = soak.summary(report)
+    print(f"\nsoak: {figures}")
+    # the survivor's KV slots commit as the lost replica's conversations move to it: at
+    # most 8 slots of 2048 positions, 47 MiB each
+    assert soak.check(report, mib_slack={"replica": 8 * 47}) == []
+    assert figures["done"] >= 40 and figures["cut"] >= 10 and figures["faulted_conversations"]
+    assert set(figures["processes"]) == {"replica", "ingress"}
+    assert len(replicas(cluster, timeout=120)) == 2  # the lost one came back
 
 
 def test_replica_killed_mid_stream(cluster, oai) -> None:

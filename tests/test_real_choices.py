@@ -207,6 +207,12 @@ def test_metrics_count_the_kv_slots(smol, oai) -> None:
     }
     assert sum(slots.values()) == 4  # --batch 4: a slot per running generation
     assert slots["resident"] >= 1 and slots["busy"] == 0
+    planned = [s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "lmserve_kv_bytes"]
+    # the RAM guard's plan: 4 slots of SmolLM2's f16 rows (30 layers, 3 KV heads of 64) at
+    # the server's context
+    ctx = oai.models.list().data[0].model_extra["meta"]["n_ctx"]
+    assert planned == [4 * ctx * 30 * 2 * 3 * 64 * 2]
 
 
 def test_control_text_in_content_stays_text_in_every_dialect(smol, oai) -> None:
