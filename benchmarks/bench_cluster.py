@@ -93,10 +93,12 @@ async def token_gap(url: str, max_tokens: int, n: int) -> float:
 BURST_TOKENS = 32  # completion tokens of each burst turn
 
 
-def burst_system(i: int) -> str:
+def burst_system(i: int, burst: int) -> str:
+    """Conversation ``i``'s system prompt in a burst of ``burst``: every burst's are new."""
     notes = [f"Note {j}: the parcel {i * 31 + j} left depot {(i + j * 7) % 53} on day "
              f"{(i * 3 + j) % 29}, insured for {(i + 1) * (j + 2)} coins." for j in range(12)]
-    return f"You are the clerk of office {i}. Answer from these records.\n" + "\n".join(notes)
+    return (f"You are the clerk of office {i} of {burst}. Answer from these records.\n"
+            + "\n".join(notes))
 
 
 async def burst_turn(client: httpx.AsyncClient, url: str,
@@ -131,7 +133,7 @@ async def burst_turn(client: httpx.AsyncClient, url: str,
 
 
 async def run_burst(url: str, n: int) -> dict[str, Any]:
-    chats = [[{"role": "system", "content": burst_system(i)},
+    chats = [[{"role": "system", "content": burst_system(i, n)},
               {"role": "user", "content": "Which parcel left first?"}] for i in range(n)]
     async with httpx.AsyncClient(timeout=900) as client:
         started = time.perf_counter()

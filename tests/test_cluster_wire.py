@@ -71,6 +71,16 @@ def test_a_burst_of_new_conversations_spreads_evenly_and_each_keeps_its_replica(
             assert not affinity.routed(key, name)
 
 
+def test_a_burst_spreads_evenly_whatever_the_counts_before() -> None:
+    for names, before in ((["r0", "r1"], 7), (["r0", "r1", "r2"], 5), (["r0", "r1"], 0)):
+        affinity = wire.Affinity()
+        for i in range(before):  # earlier conversations leave the counts uneven
+            affinity.place(f"old-{i}", names)
+        burst = [affinity.place(f"new-{i}", names)[0] for i in range(8 * len(names))]
+        counts = [burst.count(name) for name in names]
+        assert max(counts) - min(counts) <= 1, (names, before, counts)
+
+
 def test_a_conversation_moves_only_where_its_request_went() -> None:
     affinity = wire.Affinity()
     names = ["r0", "r1"]
@@ -91,7 +101,8 @@ def test_the_table_forgets_the_least_recent_conversations() -> None:
     for i in range(10):
         affinity.place(f"c{i}", ["r0", "r1"])
     assert list(affinity.owner) == ["c6", "c7", "c8", "c9"]
-    assert sum(affinity.held.values()) == 4 and set(affinity.held.values()) == {2}
+    affinity.place("c7", ["r0", "r1"])  # seen again: the most recent
+    assert list(affinity.owner) == ["c6", "c8", "c9", "c7"]
 
 
 def test_refusals_are_in_the_dialects_envelope() -> None:

@@ -1,8 +1,8 @@
-"""The request router of the replicas' deployment: a conversation goes to its replica, and a
-new one to the replica that holds the fewest conversations (``wire.Affinity``: the
-conversations of a burst spread evenly at once); when its replica is full it waits a round
-more, then goes to the least loaded other, which keeps it from then on (logged
-``route_moved`` and counted in ``lmserve_route_moves_total`` of the ingress's metrics).
+"""The request router of the replicas' deployment: a conversation goes to its replica, and
+new ones to the replicas in turn (``wire.Affinity``: the conversations of a burst spread
+evenly at once); when its replica is full it waits a round more, then goes to the least
+loaded other, which keeps it from then on (logged ``route_moved`` and counted in
+``lmserve_route_moves_total`` of the ingress's metrics).
 
 The ingress passes the key as the first argument of the replica call (None: no affinity,
 round robin). Ray Serve probes the ranks in order and takes, within a rank, the replica with

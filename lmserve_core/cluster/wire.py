@@ -4,7 +4,6 @@ No Ray here: this module is imported (and tested) without it."""
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 from collections import OrderedDict
@@ -109,30 +108,30 @@ def rank_by_key(key: str, items: list[_T], name: Callable[[_T], str]) -> list[_T
 class Affinity:
     """Which replica each conversation (routing key) belongs to, as one ingress placed them.
 
-    A new conversation goes to the replica that holds the fewest conversations, ties going
-    by rendezvous rank: the conversations of a burst spread evenly at once, without waiting
-    for a load reading to move. A known one goes back to its replica while that replica is
-    among the candidates; it moves only when the request lands elsewhere (its replica was
-    full or is gone: :meth:`routed` says so). The table holds the ``capacity`` most recently
-    seen conversations; a conversation forgotten is placed again like a new one.
+    New conversations take the replicas in turn: the conversations of a burst spread within
+    one of even at once, without waiting for a load reading to move. A known one goes back
+    to its replica while that replica is among the candidates; it moves only when its
+    request lands elsewhere (its replica was full or is gone: :meth:`routed` says so). The
+    table holds the ``capacity`` most recently seen conversations; a conversation forgotten
+    is placed again like a new one.
     """
 
     def __init__(self, capacity: int = 65_536) -> None:
         self.capacity = capacity
         self.owner: OrderedDict[str, str] = OrderedDict()  # key: replica name
-        self.held: collections.Counter[str] = collections.Counter()  # replica: its conversations
+        self._turn = 0  # new conversations placed so far
 
     def place(self, key: str, names: list[str]) -> list[str]:
         """``names`` (the candidate replicas) in the order to try for ``key``: its replica
         first (chosen now when it has none among them), then the others by rendezvous rank."""
-        ranked = rank_by_key(key, names, str)
         owner = self.owner.get(key)
         if owner not in names:
-            owner = min(ranked, key=lambda name: self.held[name])  # stable: rank breaks ties
+            owner = sorted(names)[self._turn % len(names)]
+            self._turn += 1
             self._own(key, owner)
         else:
             self.owner.move_to_end(key)
-        return [owner, *(name for name in ranked if name != owner)]
+        return [owner, *(name for name in rank_by_key(key, names, str) if name != owner)]
 
     def routed(self, key: str, name: str) -> bool:
         """The request of ``key`` went to replica ``name``; True when that moved it."""
@@ -142,14 +141,10 @@ class Affinity:
         return moved
 
     def _own(self, key: str, name: str) -> None:
-        old = self.owner.pop(key, None)
-        if old is not None:
-            self.held[old] -= 1
+        self.owner.pop(key, None)
         self.owner[key] = name
-        self.held[name] += 1
         while len(self.owner) > self.capacity:
-            _, gone = self.owner.popitem(last=False)
-            self.held[gone] -= 1
+            self.owner.popitem(last=False)
 
 
 def routing_metrics() -> str:
