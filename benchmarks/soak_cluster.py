@@ -23,8 +23,6 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import httpx  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import model_path  # noqa: E402
 from bench_serve import free_port, serving  # noqa: E402
@@ -34,17 +32,6 @@ from lmserve_core.testing import soak  # noqa: E402
 
 KV_SLOTS = 16
 CTX = 2048
-
-
-def replicas(url: str) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for _ in range(40):  # routed round robin: a few requests reach both
-        r = httpx.get(url + "/cluster/replica", timeout=10)
-        if r.status_code == 200:
-            found[r.json()["replica"]] = r.json()["pid"]
-        if len(found) == 2:
-            break
-    return found
 
 
 def main() -> None:
@@ -63,7 +50,7 @@ def main() -> None:
            "--kv-slots", str(KV_SLOTS), "--ctx", str(CTX), "--log-level", "warning"]
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "cluster.log"
     with serving(cmd, port, log) as url:
-        found = replicas(url)
+        found = soak.cluster_replicas(url)
         if len(found) != 2:
             raise SystemExit(f"found replicas {found}")
         victim, survivor = sorted(found)

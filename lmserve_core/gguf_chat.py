@@ -52,7 +52,7 @@ from .events import (
 from .gguf_file import GGUFFile
 from .kv_disk import DiskTier, model_fingerprint
 from .kv_slots import KVSlot, SlotPool, common_prefix_length
-from .model import FamilyConventions, ForwardModel, KVCache
+from .model import CacheKind, FamilyConventions, ForwardModel, KVCache
 from .reasoning import ThinkRouter
 from .request import Constraint, Message, NormalizedRequest, ToolCall, ToolChoiceMode
 from .sampling import Sampler, resolve
@@ -243,6 +243,10 @@ class GGUFChatBackend:
             slots=n_slots,
             full_mib=None if full is None else round(full * n_slots / 2**20, 1),
         )
+        # what the family's caches can do (a small one asked)
+        probe = self.model.new_cache(16)
+        self.cache_kind: CacheKind = probe.kind
+        _close(probe)
         self.slots: SlotPool[KVCache] = SlotPool(
             n_slots,
             lambda: self.model.new_cache(self.context_length),
@@ -250,9 +254,7 @@ class GGUFChatBackend:
             disk=self._disk_tier(gguf, settings),
         )
         # a cache that cannot be cut back keeps checkpoints where prompts may share a prefix
-        probe = self.model.new_cache(16)
-        self._checkpointed = not probe.kind.truncate
-        _close(probe)
+        self._checkpointed = not self.cache_kind.truncate
         self._prepared: OrderedDict[str, _Prepared] = OrderedDict()
         self._prepared_lock = threading.Lock()
         self._grammar_tokenizer: Any = None
@@ -271,18 +273,17 @@ class GGUFChatBackend:
         directory = settings.extra.get("kv_cache_dir")
         if not directory:
             return None
-        probe = self.model.new_cache(16)
+        kind = self.cache_kind
         identity = {
             "model": model_fingerprint(gguf),
-            "cache_kind": probe.kind.name,
+            "cache_kind": kind.name,
             "geometry": [list(layer) for layer in getattr(self.model, "cache_layers", None) or []],
             "kv_type": getattr(self.model, "kv_type", None),
             # the prefix under every file's rows (none without --cartridge)
             "prefix": None if self.prefix is None else self.prefix.record(),
         }
-        _close(probe)
-        if not probe.kind.snapshot:
-            log.warning("kv_disk_unsupported", kind=probe.kind.name, model=self.model_id)
+        if not kind.snapshot:
+            log.warning("kv_disk_unsupported", kind=kind.name, model=self.model_id)
             return None
         return DiskTier(
             directory, identity,

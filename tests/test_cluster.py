@@ -76,19 +76,7 @@ QUESTION = "What is the capital of France? Answer in one word."
 
 
 def replicas(cluster: RunningServer, want: int = 2, timeout: float = 30) -> dict[str, int]:
-    """Replica name -> pid of the replicas answering (requests without a body are routed
-    round robin, so a few requests reach every one)."""
-    found: dict[str, int] = {}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and len(found) < want:
-        try:
-            r = httpx.get(cluster.base_url + "/cluster/replica", headers=AUTH, timeout=10)
-            if r.status_code == 200:
-                found[r.json()["replica"]] = r.json()["pid"]
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return found
+    return soak.cluster_replicas(cluster.base_url, want=want, timeout=timeout, headers=AUTH)
 
 
 def test_openai_chat_and_completions_through_the_ingress(oai) -> None:

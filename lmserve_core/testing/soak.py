@@ -139,6 +139,23 @@ async def _client(i: int, url: str, headers: dict[str, str], until: float, stall
             await asyncio.sleep(rng.uniform(0.0, 0.3))
 
 
+def cluster_replicas(url: str, *, want: int = 2, timeout: float = 30,
+                     headers: dict[str, str] | None = None) -> dict[str, int]:
+    """Replica name -> pid of ``lmserve cluster``'s replicas answering at ``url`` (requests
+    without a body are routed round robin, so a few requests reach every one)."""
+    found: dict[str, int] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(found) < want:
+        try:
+            r = httpx.get(url + "/cluster/replica", headers=headers, timeout=10)
+            if r.status_code == 200:
+                found[r.json()["replica"]] = r.json()["pid"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return found
+
+
 def cluster_ingress_pid() -> int | None:
     """The process of ``lmserve cluster``'s ingress on this machine (Ray names its worker
     after the deployment), or None."""
