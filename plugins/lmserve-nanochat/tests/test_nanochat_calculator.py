@@ -143,7 +143,9 @@ def test_hostile_is_none_and_harmless(canary: Path) -> None:
     for expr in hostile(canary):
         start = time.perf_counter()
         assert evaluate(expr) is None, expr
-        assert time.perf_counter() - start < 1.0, expr[:40]
+        # a guard against blow-ups, not a speed goal: each takes ~2 ms, and a loaded VM
+        # has stalled one past a second
+        assert time.perf_counter() - start < 5.0, expr[:40]
     assert not canary.exists()
 
 
