@@ -23,7 +23,9 @@ conversations at once, each with a system prompt of its own (about 330 tokens); 
 turns together, then all second turns (the whole conversation sent back). Per burst: how
 the first turns spread over the replicas, how many second turns reach their first turn's
 replica, the second turns' share of cached prompt tokens, TTFT p50 / p95 over every turn
-and aggregate completion tok/s.
+and aggregate completion tok/s. A refused turn (429) is sent again after its
+``retry-after``, as the OpenAI and Anthropic SDKs do, and its TTFT counts from the first
+attempt.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ async def token_gap(url: str, max_tokens: int, n: int) -> float:
 
 
 BURST_TOKENS = 32  # completion tokens of each burst turn
+MAX_RETRIES = 10  # of a refused (429) turn, as a client would
 
 
 def burst_system(i: int, burst: int) -> str:
@@ -107,29 +110,40 @@ async def burst_turn(client: httpx.AsyncClient, url: str,
     body = {"model": "m", "messages": messages, "max_tokens": BURST_TOKENS, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    out: dict[str, Any] = {"ttft": None, "text": "", "cached": 0, "prompt": 0, "tokens": 0}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
-        out["replica"] = reply.headers.get("x-lmserve-replica")
-        if reply.status_code != 200:
-            out["error"] = f"{reply.status_code}: {(await reply.aread())[:200]!r}"
-            return out
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    out: dict[str, Any] = {"ttft": None, "text": "", "cached": 0, "prompt": 0, "tokens": 0,
+                           "retries": 0}
+    while True:  # a refusal (429) is retried after its retry-after, as the SDKs do
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+            if reply.status_code == 429 and out["retries"] < MAX_RETRIES:
+                out["retries"] += 1
+                await asyncio.sleep(float(reply.headers.get("retry-after") or 1))
                 continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage")
-            if usage:
-                out["tokens"] = int(usage["completion_tokens"])
-                out["prompt"] = int(usage["prompt_tokens"])
-                out["cached"] = int((usage.get("prompt_tokens_details") or {})
-                                    .get("cached_tokens") or 0)
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    out["ttft"] = out["ttft"] or time.perf_counter() - sent
-                    out["text"] += piece
+            await read_turn(reply, out, sent)
+            return out
+
+
+async def read_turn(reply: httpx.Response, out: dict[str, Any], sent: float) -> None:
+    """Fill ``out`` from a streamed reply; TTFT counts from the first attempt (``sent``)."""
+    out["replica"] = reply.headers.get("x-lmserve-replica")
+    if reply.status_code != 200:
+        out["error"] = f"{reply.status_code}: {(await reply.aread())[:200]!r}"
+        return
+    async for line in reply.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        usage = chunk.get("usage")
+        if usage:
+            out["tokens"] = int(usage["completion_tokens"])
+            out["prompt"] = int(usage["prompt_tokens"])
+            out["cached"] = int((usage.get("prompt_tokens_details") or {})
+                                .get("cached_tokens") or 0)
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                out["ttft"] = out["ttft"] or time.perf_counter() - sent
+                out["text"] += piece
     out["ttft"] = out["ttft"] or time.perf_counter() - sent
-    return out
 
 
 async def run_burst(url: str, n: int) -> dict[str, Any]:
@@ -143,7 +157,7 @@ async def run_burst(url: str, n: int) -> dict[str, Any]:
                   {"role": "user", "content": "And which one was insured for the most?"}]
         second = await asyncio.gather(*(burst_turn(client, url, c) for c in chats))
         wall = time.perf_counter() - started
-    turns = [t for t in first + second if "error" not in t]  # refusals (429) counted apart
+    turns = [t for t in first + second if "error" not in t]
     ttfts = sorted(t["ttft"] for t in turns) or [float("nan")]
     spread: dict[str, int] = {}
     for t in first:
@@ -158,6 +172,7 @@ async def run_burst(url: str, n: int) -> dict[str, Any]:
         "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
         "tok_s": sum(t["tokens"] for t in turns) / wall,
         "errors": [t["error"] for t in first + second if "error" in t],
+        "retries": sum(t["retries"] for t in first + second),
     }
 
 
@@ -204,7 +219,8 @@ def main() -> None:
                         f"{done['first_spread']}, {done['stayed']}/{n} second turns on their "
                         f"replica, cached share {done['cached_share']:.2f}, TTFT p50 "
                         f"{done['ttft_p50'] * 1000:.0f} ms p95 {done['ttft_p95'] * 1000:.0f} ms,"
-                        f" {done['tok_s']:.1f} tok/s, errors {len(done['errors'])}")
+                        f" {done['tok_s']:.1f} tok/s, retried 429s {done['retries']}, errors "
+                        f"{len(done['errors'])}")
             if figures["errors"]:
                 report.print(f"{setup}: errors {figures['errors'][:3]}")
             records.append({"setup": setup, "round": round_, **figures})

@@ -27,6 +27,9 @@ Models:
 - ``qwen35-0.8b``: random weights with Qwen3.5-0.8B's geometry (24 layers of 1024, 18 gated
   DeltaNet and 6 gated attention layers, vocab 248320, tied), Q8_0, converted by llama.cpp's
   own converter (``plugins/lmserve-qwen35/tests/synthetic.py``).
+- ``qwen35moe-1b``, ``qwen3next-1b``: the same attention and DeltaNet layers with 16
+  experts of 512 (4 used) and a shared expert, Q8_0: Qwen3.5-MoE (vocab 248320) and
+  Qwen3-Next (plain partial RoPE, vocab 151936).
 
 Decode reads every weight once a token (an MoE layer only its routed experts), so its
 rate has a ceiling: the machine's read bandwidth (``bandwidth.py``, measured at the start
@@ -73,7 +76,11 @@ SYNTHETIC = {
     "qwen3-8b-q4_k_m": ("qwen3", "8b", "q4_k_m"),
     "qwen3moe-30b-a3b-half-q4_k_m": ("qwen3moe", "30b-a3b-half", "q4_k_m"),
 }
-SYNTHETIC_QWEN35 = {"qwen35-0.8b": ("qwen35", "0.8b")}
+SYNTHETIC_QWEN35 = {
+    "qwen35-0.8b": ("qwen35", "0.8b"),
+    "qwen35moe-1b": ("qwen35moe", "1b"),
+    "qwen3next-1b": ("qwen3next", "1b"),
+}
 
 
 def smollm2_path() -> Path:

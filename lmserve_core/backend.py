@@ -75,13 +75,17 @@ class ThinkMarkers:
     close: str = "</think>"
 
 
+#: ``ServerSettings.kv_slots`` for ``--kv-slots auto``: as many as a share of memory holds.
+AUTO_SLOTS = 0
+
+
 @dataclass(slots=True)
 class ServerSettings:
     """The command-line settings a backend factory may need."""
 
     ctx: int = 4096
     threads: int = 0  # 0: all cores
-    kv_slots: int = 1
+    kv_slots: int = 1  # AUTO_SLOTS: sized from the available memory
     kv_type: str = "f16"  # KV cache storage: "f16" or "f32"
     batch: int = 4  # requests generated together (batching backends)
     seed: int | None = None

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from . import __version__, logs, plugins
-from .backend import BackendSpec, ServerSettings
+from .backend import AUTO_SLOTS, BackendSpec, ServerSettings
 from .cartridge.file import CartridgeError, read_cartridge
 from .errors import LmserveError
 
@@ -172,10 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--kv-slots",
-        type=int,
+        type=_slots,
         default=1,
+        metavar="N|auto",
         help="resident KV caches reused across requests by longest common prefix (default 1; "
-        "raised to --batch)",
+        "raised to --batch); auto: as many conversations as fit in an eighth of the available "
+        "memory at full context, at most 64 (the default of lmserve cluster's replicas)",
     )
     s.add_argument(
         "--kv-slots-force",
@@ -247,8 +249,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _slots(text: str) -> int:
+    """``--kv-slots``: a count of at least 1, or ``auto`` (``AUTO_SLOTS``)."""
+    if text == "auto":
+        return AUTO_SLOTS
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 or auto (got {value})")
+    return value
+
+
 def _check_ranges(args: argparse.Namespace) -> None:
-    for name, low in (("ctx", 16), ("queue", 0), ("conns", 1), ("batch", 1), ("kv_slots", 1)):
+    for name, low in (("ctx", 16), ("queue", 0), ("conns", 1), ("batch", 1)):
         value = getattr(args, name)
         if value < low:
             raise UsageError(f"--{name.replace('_', '-')} must be at least {low} (got {value})")

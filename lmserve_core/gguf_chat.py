@@ -32,7 +32,7 @@ import numpy as np
 import structlog
 
 from . import memory
-from .backend import Capabilities, ServerSettings
+from .backend import AUTO_SLOTS, Capabilities, ServerSettings
 from .cartridge.route import FleetRouter
 from .cartridge.serve import PrefixRows, prefixed_model
 from .chat_template import ChatTemplate, ControlTextGuard, message_dicts, tool_dicts
@@ -224,12 +224,16 @@ class GGUFChatBackend:
         # Generations decoded together; each holds a slot while it runs.
         self.batch_size = max(1, int(settings.batch))
         per_pos = getattr(model, "kv_bytes_per_pos", None)
-        n_slots = max(1, int(settings.kv_slots), self.batch_size)
         whole = getattr(model, "kv_bytes", None)
         # what the slots take once every position is written (pages commit lazily)
         full = whole(self.context_length) if callable(whole) else (
             None if per_pos is None else per_pos * self.context_length
         )
+        if settings.kv_slots == AUTO_SLOTS:
+            avail = settings.extra.get("available_memory", memory.available())
+            n_slots = memory.auto_kv_slots(full, avail, self.batch_size)
+        else:
+            n_slots = max(1, int(settings.kv_slots), self.batch_size)
         n_slots = self._guard_memory(settings, per_pos, full, n_slots)
         # the KV memory the slots take at full context (the start-up banner says it)
         self.kv_slots = n_slots

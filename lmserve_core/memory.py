@@ -100,6 +100,21 @@ def plan_kv_slots(per_slot: int, wanted: int, avail: int | None, *, force: bool)
     return SlotPlan(max(1, min(wanted, (avail // 2) // per_slot)), "clamped")
 
 
+#: ``--kv-slots auto``: the slots at full context may take this share of the available
+#: memory (an eighth: two replicas of ``lmserve cluster`` on one node take a quarter, four
+#: take half, the guard's limit), at most this many.
+AUTO_SLOTS_SHARE = 8
+AUTO_SLOTS_MAX = 64
+
+
+def auto_kv_slots(per_slot: int | None, avail: int | None, least: int) -> int:
+    """How many slots ``--kv-slots auto`` keeps: as many conversations as the memory share
+    holds (caches commit lazily, so slots nobody uses cost nothing), at least ``least``."""
+    if avail is None or not per_slot or per_slot <= 0:
+        return least
+    return max(least, min(AUTO_SLOTS_MAX, avail // AUTO_SLOTS_SHARE // per_slot))
+
+
 # ------------------------------------------------------------------ weights
 #: How models hold their weight matrices (``--weights``): "auto" copies them into the
 #: process's memory while the copies stay within a quarter of the memory available at load

@@ -69,6 +69,32 @@ def test_ram_guard_fits_warns_clamps_and_forces() -> None:
     assert plan_kv_slots(gib, 4, None, force=False) == (4, "unknown")
 
 
+def test_auto_slots_hold_what_an_eighth_of_memory_holds() -> None:
+    from lmserve_core.memory import AUTO_SLOTS_MAX, auto_kv_slots
+
+    gib = 2**30
+    assert auto_kv_slots(gib, 80 * gib, 4) == 10
+    assert auto_kv_slots(gib, 8 * gib, 4) == 4  # never fewer than the batch
+    assert auto_kv_slots(2**20, 1024 * gib, 4) == AUTO_SLOTS_MAX
+    assert auto_kv_slots(None, 8 * gib, 3) == 3 and auto_kv_slots(gib, None, 2) == 2
+
+
+def test_kv_slots_parses_a_count_or_auto() -> None:
+    from lmserve_core.backend import AUTO_SLOTS
+    from lmserve_core.cli import build_parser
+    from lmserve_core.cluster.command import _replica_argv
+
+    parser = build_parser()
+    assert parser.parse_args(["m.gguf", "--kv-slots", "auto"]).kv_slots == AUTO_SLOTS
+    assert parser.parse_args(["m.gguf", "--kv-slots", "6"]).kv_slots == 6
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["m.gguf", "--kv-slots", bad])
+    # a cluster's replicas size their slots from memory unless told otherwise
+    assert _replica_argv(["m.gguf"], 1)[-2:] == ["--kv-slots", "auto"]
+    assert "auto" not in _replica_argv(["m.gguf", "--kv-slots=3"], 1)
+
+
 def test_available_memory_is_read_from_the_system() -> None:
     from lmserve_core.memory import available
 
@@ -77,12 +103,13 @@ def test_available_memory_is_read_from_the_system() -> None:
 
 
 @pytest.mark.parametrize(
-    ("available", "force", "slots", "batch"),
-    [(None, False, 4, 4), (12 * 2**20, False, 4, 4), (7 * 2**20, False, 1, 1),
-     (7 * 2**20, True, 4, 4)],
+    ("available", "force", "slots", "batch", "wanted"),
+    [(None, False, 4, 4, 1), (12 * 2**20, False, 4, 4, 1), (7 * 2**20, False, 1, 1, 1),
+     (7 * 2**20, True, 4, 4, 1), (96 * 2**20, False, 6, 4, 0), (16 * 2**20, False, 4, 4, 0)],
 )
 def test_backend_keeps_the_slots_the_guard_allows(
-    available: int | None, force: bool, slots: int, batch: int, capsys: pytest.CaptureFixture[str]
+    available: int | None, force: bool, slots: int, batch: int, wanted: int,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from models import smollm2_path
     from scripted import ScriptedModel
@@ -104,7 +131,7 @@ def test_backend_keeps_the_slots_the_guard_allows(
     backend = GGUFChatBackend(
         name="fake", gguf=GGUFFile.open(smollm2_path()), model=Priced(49152),  # type: ignore[arg-type]
         conventions=FamilyConventions(),
-        settings=ServerSettings(ctx=2048, kv_slots=1, batch=4, extra=extra),
+        settings=ServerSettings(ctx=2048, kv_slots=wanted, batch=4, extra=extra),
     )
     assert len(backend.slots.slots) == slots and backend.batch_size == batch
     out = capsys.readouterr().out

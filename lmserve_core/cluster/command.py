@@ -63,8 +63,15 @@ def cluster_parser() -> argparse.ArgumentParser:
 
 def _replica_argv(rest: list[str], threads: int) -> list[str]:
     argv = list(rest)
-    if not any(a == "--threads" or a.startswith("--threads=") for a in argv):
+
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    if not given("--threads"):
         argv += ["--threads", str(threads)]
+    if not given("--kv-slots"):
+        # a replica keeps every conversation routed to it while memory allows
+        argv += ["--kv-slots", "auto"]
     return argv
 
 

@@ -32,6 +32,8 @@ Sizes:
   f32 that is the original model, bit for bit. These random models are sensitive: storing
   them as f16 / bf16 / q8_0 moves their logits (std ~2) by up to ~0.15 / ~1.7 / ~4 (MoE
   routing flips included), so a numerical test compares against ``hf/``, never the f32 model.
+* ``1b`` (``qwen35moe``, ``qwen3next``): the ``0.8b`` geometry's attention and DeltaNet
+  layers with 16 experts of 512 (4 used) and a shared expert, untied; GGUF only.
 * ``0.8b`` (``qwen35``): Qwen3.5-0.8B's geometry (24 layers of 1024, 18 linear-attention and
   6 full-attention, 16 key and value heads of 128, tied embeddings) for benchmarks, its
   vocabulary Qwen3.5's 248320 rows (Qwen3's tokenizer padded, as the converter pads). The
@@ -202,6 +204,16 @@ GEOMETRIES: dict[tuple[str, str], Geometry] = {
         vocab_size=248320,
     ),
 }
+# Qwen3.5-MoE and Qwen3-Next at the 0.8B geometry's attention and DeltaNet shapes, with 16
+# experts of 512 (4 used) and a shared one: about 1.1B parameters, for the benchmarks.
+_MOE_1B = replace(
+    GEOMETRIES[("qwen35", "0.8b")], n_ff=0, tied=False, n_expert=16, n_expert_used=4,
+    n_ff_exp=512, n_ff_shexp=512,
+)
+GEOMETRIES[("qwen35moe", "1b")] = _MOE_1B
+GEOMETRIES[("qwen3next", "1b")] = replace(
+    _MOE_1B, n_ff=3584, mrope_section=None, vocab_size=VOCAB.vocab_size
+)
 HF_SIZES = ("tiny", "tiny8")  # with a transformers model in hf/; the others GGUF only
 
 
@@ -919,7 +931,8 @@ def main(argv: list[str] | None = None) -> int:
         default="tiny",
         choices=sorted({s for _, s in GEOMETRIES}),
         help="tiny (4 layers), tiny8 (8 layers): with a transformers model in hf/; "
-        "0.8b (qwen35): Qwen3.5-0.8B's geometry, GGUF only (default: tiny)",
+        "0.8b (qwen35): Qwen3.5-0.8B's geometry, 1b (qwen35moe, qwen3next): its layers with "
+        "16 experts; GGUF only (default: tiny)",
     )
     parser.add_argument("--type", default="f32", choices=TYPES, help="outtype (default: f32)")
     parser.add_argument("--seed", type=int, default=0)
