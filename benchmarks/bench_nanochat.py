@@ -209,13 +209,13 @@ def memory_mib() -> dict[str, float]:
 def bench_lmserve(model_dir: Path, load_type: str, threads: int, n_prompt: int, n_gen: int,
                   reps: int) -> dict[str, float]:
     from lmserve_nanochat.model import NanochatModel
-    from lmserve_nanochat.plugin import open_checkpoint
+    from lmserve_nanochat.plugin import Options, open_checkpoint
 
     from lmserve_core.backend import ServerSettings
 
     before = memory_mib().get("rss_mib")
     started = time.perf_counter()
-    settings = ServerSettings(threads=threads, extra={"load_type": load_type})
+    settings = ServerSettings(threads=threads, options=Options(load_type=load_type))
     model = NanochatModel.load(open_checkpoint(str(model_dir), settings), n_threads=threads)
     out: dict[str, float] = {"load_s": time.perf_counter() - started}
     loaded = memory_mib().get("rss_mib")

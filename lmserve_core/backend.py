@@ -22,11 +22,15 @@ Families that fit the generic GGUF chat path do not write these themselves: see
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .events import EventSink, Finish
 from .request import NormalizedRequest
+
+# re-exported: families import them from here
+from .settings import AUTO_SLOTS as AUTO_SLOTS
+from .settings import ServerSettings as ServerSettings
 
 if TYPE_CHECKING:
     from .tools import ToolConvention
@@ -73,23 +77,6 @@ class SamplingDefaults:
 class ThinkMarkers:
     open: str = "<think>"
     close: str = "</think>"
-
-
-#: ``ServerSettings.kv_slots`` for ``--kv-slots auto``: as many as a share of memory holds.
-AUTO_SLOTS = 0
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    """The command-line settings a backend factory may need."""
-
-    ctx: int = 4096
-    threads: int = 0  # 0: all cores
-    kv_slots: int = 1  # AUTO_SLOTS: sized from the available memory
-    kv_type: str = "f16"  # KV cache storage: "f16" or "f32"
-    batch: int = 4  # requests generated together (batching backends)
-    seed: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -140,3 +127,8 @@ class BackendSpec:
     plugin: str = ""  # the plugin that registered it
     # True for a model path it serves that is not a GGUF file (e.g. a checkpoint directory)
     recognizes: Callable[[str], bool] | None = None
+    # its own options (``ServerSettings.options``) from the parsed flags its plugin added
+    # through ``register_options``
+    options: Callable[[Any], object] | None = None
+    # a flag of its own that names its model and picks it (``--nanochat DIR``)
+    model_option: str | None = None

@@ -169,7 +169,7 @@ class GGUFChatBackend:
         self.model_id = model_id or gguf.model_id or Path(gguf.path).stem
         # --cartridge: a KV prefix every cache starts with (lmserve_core.cartridge.serve)
         self.prefix: PrefixRows | None = None
-        cartridge = settings.extra.get("cartridge")
+        cartridge = settings.prefixes.cartridge
         if cartridge:
             wrapped = prefixed_model(model, cartridge, gguf, self.model_id)
             self.prefix = wrapped.prefix
@@ -194,12 +194,14 @@ class GGUFChatBackend:
         self.tokenizer.longest_token  # noqa: B018 - the length bound of prompts, found now
         # --fleet: each conversation behind the cartridges of its documents
         self.fleet: FleetRouter | None = None
-        fleet = settings.extra.get("fleet")
+        fleet = settings.prefixes.fleet
         if fleet is not None:
-            if cartridge or settings.extra.get("kv_cache_dir"):
+            if cartridge or settings.disk.directory:
                 raise ValueError("a fleet is served without --cartridge and --kv-cache-dir")
+            rag = settings.prefixes.retrieval
             self.fleet = FleetRouter(fleet, model, self.tokenizer, what=self.model_id,
-                                     **settings.extra.get("rag", {}))
+                                     docs=rag.docs, chunks=rag.chunks,
+                                     adaptive=rag.adaptive, margin=rag.margin)
             self.model = model = self.fleet.wrap(model)
             log.info("fleet", path=str(fleet.path), documents=len(fleet.docs), p=fleet.p,
                      rag_docs=self.fleet.k, prefix_rows=self.fleet.rows,
@@ -230,7 +232,7 @@ class GGUFChatBackend:
             None if per_pos is None else per_pos * self.context_length
         )
         if settings.kv_slots == AUTO_SLOTS:
-            avail = settings.extra.get("available_memory", memory.available())
+            avail = settings.available_memory or memory.available()
             n_slots = memory.auto_kv_slots(full, avail, self.batch_size)
         else:
             n_slots = max(1, int(settings.kv_slots), self.batch_size)
@@ -274,7 +276,7 @@ class GGUFChatBackend:
 
     def _disk_tier(self, gguf: GGUFFile, settings: ServerSettings) -> DiskTier | None:
         """The KV disk tier under ``kv_cache_dir``, for this model and cache layout."""
-        directory = settings.extra.get("kv_cache_dir")
+        directory = settings.disk.directory
         if not directory:
             return None
         kind = self.cache_kind
@@ -291,8 +293,8 @@ class GGUFChatBackend:
             return None
         return DiskTier(
             directory, identity,
-            max_files=int(settings.extra.get("kv_disk_slots") or 64),
-            max_bytes=int(float(settings.extra.get("kv_disk_max_gb") or 8.0) * 2**30),
+            max_files=settings.disk.max_files,
+            max_bytes=int(settings.disk.max_gb * 2**30),
         )
 
     def _guard_memory(
@@ -302,9 +304,9 @@ class GGUFChatBackend:
         logged. Fewer slots than ``--batch`` lower the batch too (a slot per generation)."""
         if per_slot is None:
             return n_slots
-        avail = settings.extra.get("available_memory", memory.available())
+        avail = settings.available_memory or memory.available()
         plan = memory.plan_kv_slots(
-            int(per_slot), n_slots, avail, force=bool(settings.extra.get("kv_slots_force"))
+            int(per_slot), n_slots, avail, force=settings.kv_slots_force
         )
         fields = dict(
             bytes_per_position=per_pos,
@@ -347,9 +349,9 @@ class GGUFChatBackend:
     def _draft_source(self, settings: ServerSettings) -> DraftSource | None:
         """Speculative decoding's drafts: a draft model (``spec_draft``, a GGUF path), the
         conversation itself (``spec``), or none."""
-        path = settings.extra.get("spec_draft")
+        path = settings.speculation.draft
         if not path:
-            return PromptLookup() if settings.extra.get("spec") else None
+            return PromptLookup() if settings.speculation.prompt_lookup else None
         from . import plugins
 
         draft_gguf = GGUFFile.open(path)

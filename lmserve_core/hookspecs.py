@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+
     from .backend import Backend, ServerSettings
     from .request import NormalizedRequest
 
@@ -27,6 +29,20 @@ def register_converters(register: Any) -> None:
     """Register converters of transformers checkpoints to GGUF (``lmserve convert``): call
     ``register(architecture, convert, description=...)`` with an ``architectures`` entry of a
     ``config.json`` and ``convert(hf_dir: Path, out: Path, outtype: str) -> Path``."""
+
+
+@hookspec
+def register_options(parser: argparse.ArgumentParser) -> None:
+    """Add a family's own flags to ``lmserve``'s (in an argument group of its own). Its
+    backend gets them as one typed object, ``ServerSettings.options``, made from the parsed
+    flags by the ``options`` callable it registers with (``register(..., options=...)``)."""
+
+
+@hookspec
+def register_commands(register: Any) -> None:
+    """Add commands to ``lmserve``: call ``register(name, main, help=...)``, where
+    ``main(argv: list[str]) -> int`` runs ``lmserve NAME ARGS...`` and returns the exit
+    status. Import what a command needs inside ``main``: registering costs nothing."""
 
 
 # ---------------------------------------------------------------- startup / shutdown

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from types import CodeType, FrameType, ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 import structlog
@@ -28,6 +28,8 @@ from .backend import BackendFactory, BackendSpec
 log = structlog.get_logger("lmserve.plugins")
 
 ENTRY_POINT_GROUP = "lmserve"
+
+_T = TypeVar("_T")
 
 pm = pluggy.PluginManager("lmserve")
 pm.add_hookspecs(hookspecs)
@@ -87,12 +89,58 @@ def load_module_plugin(dotted: str) -> ModuleType:
 
 
 def list_plugins() -> list[PluginInfo]:
-    """What is registered: name, version and implemented hooks."""
+    """What is registered: name, version and implemented hooks (core's own commands are
+    not a plugin)."""
     infos = []
     for name, plugin in pm.list_name_plugin():
+        if name == CORE_COMMANDS:
+            continue
         hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
         infos.append(PluginInfo(name=name, version=_versions.get(name), hooks=hooks))
     return sorted(infos, key=lambda info: info.name)
+
+
+#: the name core's own commands (``lmserve_core.commands``) are registered under
+CORE_COMMANDS = "lmserve-core-commands"
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    """A command of ``lmserve`` (``lmserve NAME ARGS...``), as ``register_commands`` gave it."""
+
+    name: str
+    main: Callable[[list[str]], int]
+    help: str
+    plugin: str
+
+
+def commands() -> dict[str, CommandSpec]:
+    """Every command registered through ``register_commands``, by name: core's own
+    (:data:`CORE_COMMANDS`) first, then the first registration of a name wins."""
+    load_plugins()
+    return _registrations(
+        "register_commands", "command", first=CORE_COMMANDS,
+        make=lambda name, main, plugin, help="": CommandSpec(name, main, help, plugin),
+    )
+
+
+def _registrations(hook: str, what: str, make: Callable[..., _T], first: str = "") -> dict[str, _T]:
+    """What each plugin's ``hook`` registers, by key: ``register(key, fn, **kwargs)`` makes
+    ``make(key, fn, plugin, **kwargs)``; the first registration of a key wins (plugin
+    ``first``'s before the others')."""
+    found: dict[str, _T] = {}
+    impls = getattr(pm.hook, hook).get_hookimpls()  # in registration order
+    for impl in sorted(impls, key=lambda impl: impl.plugin_name != first):
+
+        def register(key: str, fn: Callable[..., Any], _plugin: str = impl.plugin_name,
+                     **kwargs: Any) -> None:
+            if key in found:
+                log.warning(f"{what}_taken", **{what: key}, plugin=_plugin)
+                return
+            found[key] = make(key, fn, _plugin, **kwargs)
+
+        impl.function(register=register)
+    return found
 
 
 def backends() -> dict[str, BackendSpec]:
@@ -109,6 +157,8 @@ def backends() -> dict[str, BackendSpec]:
         description: str = "",
         default_model: Callable[[], str | None] | None = None,
         recognizes: Callable[[str], bool] | None = None,
+        options: Callable[[Any], object] | None = None,
+        model_option: str | None = None,
     ) -> None:
         plugin_name = _registering_plugin(callers, sys._getframe(1)) or _plugin_owning(factory)
         if name in found:
@@ -122,6 +172,8 @@ def backends() -> dict[str, BackendSpec]:
             default_model=default_model,
             plugin=plugin_name,
             recognizes=recognizes,
+            options=options,
+            model_option=model_option,
         )
 
     pm.hook.register_backends(register=register)
@@ -202,20 +254,12 @@ class ConverterSpec:
 def converters() -> dict[str, ConverterSpec]:
     """Every converter registered through ``register_converters``, by architecture."""
     load_plugins()
-    found: dict[str, ConverterSpec] = {}
-    for impl in pm.hook.register_converters.get_hookimpls():
-
-        def register(
-            architecture: str, convert: Callable[..., Any], *, description: str = "",
-            _plugin: str = impl.plugin_name,
-        ) -> None:
-            if architecture in found:
-                log.warning("converter_taken", architecture=architecture, plugin=_plugin)
-                return
-            found[architecture] = ConverterSpec(architecture, convert, description, _plugin)
-
-        impl.function(register=register)
-    return found
+    return _registrations(
+        "register_converters", "converter",
+        make=lambda arch, convert, plugin, description="": ConverterSpec(
+            arch, convert, description, plugin
+        ),
+    )
 
 
 def backend_for_path(path: str) -> BackendSpec | None:

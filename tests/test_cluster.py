@@ -396,6 +396,7 @@ def test_serve_run_builds_the_same_application() -> None:
     assert isinstance(built, serve.Application)
     cluster, args, argv = command.parse([str(smollm2_path()), "--replicas", "3", "--batch", "2"])
     assert (cluster.replicas, args.batch) == (3, 2)
-    assert argv[-2:] == ["--threads", "1"]  # one thread per CPU reserved
+    # one thread per CPU reserved; slots for every conversation routed to a replica
+    assert argv[-4:] == ["--threads", "1", "--kv-slots", "auto"]
     with pytest.raises(ValueError, match="--replicas must be at least 1"):
         command.app({"argv": f"{smollm2_path()} --replicas 0"})

@@ -27,13 +27,14 @@ from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.kv_disk import MAGIC, SUFFIX, DiskTier
 from lmserve_core.model import FamilyConventions
 from lmserve_core.request import Message, NormalizedRequest, Sampling
+from lmserve_core.settings import DiskSettings
 
 IDENTITY = {"model": "m1", "cache_kind": "attention", "geometry": [[1, 2, 2, 0]], "kv_type": "f16"}
 
 
-def disk_backend(gguf: GGUFFile, tmp_path: Path, script: Any = (), **extra: Any) -> GGUFChatBackend:
+def disk_backend(gguf: GGUFFile, tmp_path: Path, script: Any = (), **disk: Any) -> GGUFChatBackend:
     settings = ServerSettings(
-        ctx=2048, kv_slots=1, batch=1, extra={"kv_cache_dir": str(tmp_path), **extra}
+        ctx=2048, kv_slots=1, batch=1, disk=DiskSettings(directory=str(tmp_path), **disk)
     )
     # its own handle of the file: closing the backend closes it
     return GGUFChatBackend(
@@ -127,7 +128,7 @@ def test_one_slot_alternating_conversations_spill_and_restore(
 ) -> None:
     b0 = make_backend(gguf)
     script = ids(b0, "Fine.") + [IM_END]
-    backend = disk_backend(gguf, tmp_path, script, kv_disk_slots=4)
+    backend = disk_backend(gguf, tmp_path, script, max_files=4)
     run(backend, conversation("cats", "hi"))
     run(backend, conversation("ships", "hello"))  # evicts cats: spilled
     assert len(list(tmp_path.glob("*" + SUFFIX))) == 1
@@ -166,7 +167,7 @@ def test_a_restart_serves_the_first_request_from_disk(gguf: GGUFFile, tmp_path: 
         name="fake", gguf=GGUFFile.open(gguf.path), model=model,  # type: ignore[arg-type]
         conventions=FamilyConventions(),
         settings=ServerSettings(ctx=2048, kv_slots=1, batch=1,
-                                extra={"kv_cache_dir": str(tmp_path)}),
+                                disk=DiskSettings(directory=str(tmp_path))),
     )
     assert other.slots.disk is not None and other.slots.disk.entries == []
 

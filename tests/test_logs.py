@@ -18,7 +18,7 @@ import pytest
 from processes import on_terminal
 
 from lmserve_core import banner
-from lmserve_core.cli import build_parser
+from lmserve_core.launch import build_parser
 
 ROOT = Path(__file__).parent.parent
 COLOR = re.compile(r"\x1b\[[0-9;]*m")  # an SGR (colour) sequence

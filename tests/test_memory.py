@@ -81,8 +81,8 @@ def test_auto_slots_hold_what_an_eighth_of_memory_holds() -> None:
 
 def test_kv_slots_parses_a_count_or_auto() -> None:
     from lmserve_core.backend import AUTO_SLOTS
-    from lmserve_core.cli import build_parser
     from lmserve_core.cluster.command import _replica_argv
+    from lmserve_core.launch import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["m.gguf", "--kv-slots", "auto"]).kv_slots == AUTO_SLOTS
@@ -125,13 +125,11 @@ def test_backend_keeps_the_slots_the_guard_allows(
         def kv_bytes(self, n_ctx: int) -> int:
             return self.kv_bytes_per_pos * n_ctx
 
-    extra: dict[str, object] = {"kv_slots_force": force}
-    if available is not None:
-        extra["available_memory"] = available
     backend = GGUFChatBackend(
         name="fake", gguf=GGUFFile.open(smollm2_path()), model=Priced(49152),  # type: ignore[arg-type]
         conventions=FamilyConventions(),
-        settings=ServerSettings(ctx=2048, kv_slots=wanted, batch=4, extra=extra),
+        settings=ServerSettings(ctx=2048, kv_slots=wanted, batch=4, kv_slots_force=force,
+                                available_memory=available),
     )
     assert len(backend.slots.slots) == slots and backend.batch_size == batch
     out = capsys.readouterr().out

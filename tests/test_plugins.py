@@ -7,7 +7,9 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,12 +66,15 @@ class _Recorder:
         self.calls.append("prepare_request")
 
 
+def _registered(plugin: Any, name: str) -> Iterator[Any]:
+    plugins.pm.register(plugin, name=name)
+    yield plugin
+    plugins.pm.unregister(plugin)
+
+
 @pytest.fixture
-def recorder():  # type: ignore[no-untyped-def]
-    rec = _Recorder()
-    plugins.pm.register(rec, name="recorder")
-    yield rec
-    plugins.pm.unregister(rec)
+def recorder() -> Iterator[_Recorder]:
+    yield from _registered(_Recorder(), "recorder")
 
 
 def test_hook_register_backends(recorder: _Recorder) -> None:
@@ -77,6 +82,60 @@ def test_hook_register_backends(recorder: _Recorder) -> None:
     assert spec.plugin == "recorder"
     found = plugins.backend_for_architecture("recarch")
     assert found is not None and (found.name, found.plugin) == (spec.name, spec.plugin)
+
+
+@dataclass(frozen=True)
+class _Flags:
+    colour: str
+
+
+class _Extender:
+    """A plugin adding a flag (read back typed by its backend) and a command."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[str]] = []
+
+    @hookimpl
+    def register_options(self, parser):  # type: ignore[no-untyped-def]
+        parser.add_argument_group("extender").add_argument("--colour", default="blue")
+
+    @hookimpl
+    def register_backends(self, register):  # type: ignore[no-untyped-def]
+        register("extender", lambda model, settings: settings,
+                 options=lambda args: _Flags(args.colour))
+
+    @hookimpl
+    def register_commands(self, register):  # type: ignore[no-untyped-def]
+        register("shout", lambda argv: self.ran.append(list(argv)) or 7, help="a test command")
+        register("convert", lambda argv: 99)  # taken by core: core's stays
+
+
+@pytest.fixture
+def extender() -> Iterator[_Extender]:
+    yield from _registered(_Extender(), "extender")
+
+
+def test_hook_register_options(extender: _Extender) -> None:
+    from lmserve_core import launch
+
+    args = launch.build_parser().parse_args(["m.gguf", "--colour", "red"])
+    spec = plugins.backends()["extender"]
+    settings = launch.settings_from(launch.build_parser().parse_args(["m.gguf"]), spec)
+    assert settings.options == _Flags("blue")
+    assert spec.options is not None and spec.options(args) == _Flags("red")
+    assert spec.model_option is None
+
+
+def test_hook_register_commands(extender: _Extender, capsys: pytest.CaptureFixture[str]) -> None:
+    from lmserve_core import cli
+
+    assert cli.main(["shout", "a", "--b"]) == 7 and extender.ran == [["a", "--b"]]
+    found = plugins.commands()
+    assert found["shout"].plugin == "extender" and found["convert"].plugin != "extender"
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "lmserve shout ...  a test command" in out and "lmserve cluster ..." in out
 
 
 class _Wrapper:
@@ -252,8 +311,14 @@ def test_help_documents_every_flag() -> None:
     [
         (["--backend", "nope"], "unknown backend 'nope'"),
         (["--ctx", "0", "--backend", "scripted"], "--ctx must be at least"),
-        (["--spec-draft", "/nonexistent/d.gguf", "--backend", "scripted"], "draft model file not"),
-        (["--cartridge", "/nonexistent/c.safetensors", "--backend", "scripted"], "cartridge file not"),
+        (["--spec-draft", "/nonexistent/d.gguf", "--backend", "scripted"],
+         "--spec-draft /nonexistent/d.gguf: no such file"),
+        (["--cartridge", "/nonexistent/c.safetensors", "--backend", "scripted"],
+         "--cartridge /nonexistent/c.safetensors: no such file"),
+        (["--kv-cache-dir", "/etc/passwd", "--backend", "scripted"], "--kv-cache-dir /etc/passwd:"),
+        (["--backend", "qwen3"], "--backend qwen3: no model given"),
+        (["--host", "no-such-host.invalid", "--backend", "scripted"],
+         "--host no-such-host.invalid: not an address of this machine"),
         (["--fleet", "/nonexistent/fleet", "--backend", "scripted"], "no fleet.json"),
         (["--fleet", "/tmp", "--cartridge", "/tmp", "--backend", "scripted"],
          "--fleet and --cartridge exclude each other"),
@@ -270,6 +335,22 @@ def test_cli_refuses_bad_arguments_clearly(args: list[str], message: str) -> Non
     out = run_cli("--plugin", "fake_backend", *args)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a model that would take long to load is never loaded: the port is checked first
+        out = run_cli("--plugin", "fake_backend", "--backend", "scripted", "--port", str(port))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"lmserve: error: --port {port}: already in use on 127.0.0.1 (another server? pick "
+        "another with --port)"
+    )
 
 
 def test_malformed_model_file_is_a_clear_error_not_a_crash(tmp_path: Path) -> None:

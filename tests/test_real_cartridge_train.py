@@ -18,7 +18,8 @@ pytest.importorskip("transformers")
 
 from lmserve_core.cartridge import read_cartridge  # noqa: E402
 from lmserve_core.cartridge import train as T  # noqa: E402
-from lmserve_core.cartridge.fleet import Fleet, build_fleet  # noqa: E402
+from lmserve_core.cartridge.fleet import Fleet  # noqa: E402
+from lmserve_core.cartridge.fleet_build import build_fleet  # noqa: E402
 from lmserve_core.cartridge.prefill import capture_rows  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -31,6 +31,7 @@ from lmserve_core.gguf_chat import GGUFChatBackend
 from lmserve_core.gguf_file import GGUFFile
 from lmserve_core.request import Constraint, Message, NormalizedRequest, Sampling
 from lmserve_core.sampling import ResolvedSampling, Sampler
+from lmserve_core.settings import SpeculationSettings
 from lmserve_core.speculative import FORCED, MAX_DRAFT, Pace, PromptLookup, VerifyCost
 
 # ---------------------------------------------------------------------------- drafts
@@ -461,18 +462,18 @@ def test_sampled_sequences_keep_their_distribution_with_drafts(gguf: GGUFFile) -
         assert chi2 < bound, (chi2, bound)
 
 
-def _flagged(gguf: GGUFFile, model: ScriptedModel, **extra: Any) -> GGUFChatBackend:
-    """A backend given ``extra`` settings, as the command line's flags give them."""
+def _flagged(gguf: GGUFFile, model: ScriptedModel, **spec: Any) -> GGUFChatBackend:
+    """A backend given speculation settings, as the command line's flags give them."""
     return GGUFChatBackend(
         name="fake", gguf=gguf, model=model,  # type: ignore[arg-type]
         conventions=make_backend(gguf).conventions,
-        settings=ServerSettings(ctx=512, extra=extra),
+        settings=ServerSettings(ctx=512, speculation=SpeculationSettings(**spec)),
     )
 
 
 def test_spec_flag_reaches_the_backend(gguf: GGUFFile) -> None:
     model = ScriptedModel(49152)
-    backend = _flagged(gguf, model, spec=True)
+    backend = _flagged(gguf, model, prompt_lookup=True)
     assert isinstance(backend.drafts, PromptLookup)
     # the verify cost is calibrated at start-up, on a cache of its own
     cost = backend.verify_cost
@@ -481,14 +482,14 @@ def test_spec_flag_reaches_the_backend(gguf: GGUFFile) -> None:
     assert not any(slot.allocated for slot in backend.slots.slots)
     assert make_backend(gguf).verify_cost.calibrated is None  # no drafts: no calibration
     with pytest.raises(ValueError, match="vocabulary|serves|No such file|not a"):
-        _flagged(gguf, model, spec_draft="/nonexistent.gguf")
+        _flagged(gguf, model, draft="/nonexistent.gguf")
 
     class Broken(ScriptedModel):
         def forward(self, *args: Any, **kw: Any) -> np.ndarray:
             raise RuntimeError("no")
 
     # a model the calibration fails on still serves, its verify cost from the live passes
-    assert _flagged(gguf, Broken(49152), spec=True).verify_cost.calibrated is None
+    assert _flagged(gguf, Broken(49152), prompt_lookup=True).verify_cost.calibrated is None
 
 
 def test_logit_bias_holds_under_speculation_and_grammars(gguf: GGUFFile) -> None:

@@ -64,7 +64,7 @@ def main() -> int:
 
     from lmserve_core.cartridge import read_cartridge
     from lmserve_core.cartridge import train as T
-    from lmserve_core.cartridge.fleet import build_fleet
+    from lmserve_core.cartridge.fleet_build import build_fleet
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from .file import CartridgeError, write_cartridge
 
@@ -53,30 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--threads", type=int, default=0, help="compute threads (default: all cores)")
     b.add_argument("--plugin", action="append", default=[], metavar="MODULE")
-    from .fleet import add_fleet_parser
+    from .fleet_build import add_fleet_parser
     from .train import add_train_arguments
 
     add_train_arguments(b)
     add_fleet_parser(sub)
     return parser
-
-
-def load_backend(args: argparse.Namespace, ctx: int) -> Any:
-    """The chat backend of ``--model`` (as ``lmserve`` would serve it), with a cache of
-    ``ctx`` positions (``--kv-type``) and one slot: its ``model``, ``tokenizer`` and
-    ``gguf``."""
-    from .. import cli
-    from ..backend import ServerSettings
-
-    pick = argparse.Namespace(model=args.model, backend=args.backend, plugin=args.plugin)
-    spec, model = cli._pick_backend(pick)
-    settings = ServerSettings(ctx=max(ctx, 16), threads=args.threads, kv_slots=1,
-                              kv_type=getattr(args, "kv_type", "f16"), batch=1)
-    backend = spec.factory(model, settings)
-    if getattr(backend, "model", None) is None or getattr(backend, "tokenizer", None) is None:
-        backend.close()
-        raise CartridgeError(f"the {spec.name} backend has no model a cartridge can be read from")
-    return backend
 
 
 def build_command(args: argparse.Namespace) -> int:
@@ -94,6 +75,8 @@ def build_command(args: argparse.Namespace) -> int:
     if args.p < 2:
         raise CartridgeError(f"--p must be at least 2, got {args.p}")
     text = Path(args.corpus).read_text(encoding="utf-8")
+    from ..launch import load_backend
+
     backend = load_backend(args, args.p)
     try:
         started = time.perf_counter()
@@ -115,13 +98,13 @@ def build_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str]) -> int:
     """``lmserve cartridge ...``; the exit status."""
     from .. import logs
-    from ..cli import UsageError
+    from ..launch import UsageError
 
     args = build_parser().parse_args(argv)
     logs.configure("warning")
     try:
         if args.command == "fleet":
-            from .fleet import fleet_command
+            from .fleet_build import fleet_command
 
             return fleet_command(args)
         return build_command(args)

@@ -832,7 +832,7 @@ def check_extra() -> None:
 
 def load_model(args: Any) -> Model:
     """The model of ``lmserve cartridge``'s ``--model`` (the plugin default when absent)."""
-    from .cli import load_backend
+    from ..launch import load_backend
 
     check_extra()
     if args.threads > 0:

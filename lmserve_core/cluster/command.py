@@ -11,16 +11,14 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-import ray
-from ray import serve
-from ray.serve.config import AutoscalingConfig, HTTPOptions, RequestRouterConfig
+from typing import TYPE_CHECKING, Any
 
 from .. import logs
-from ..cli import UsageError, _check_ranges, _pick_backend, build_parser
-from .deployments import METRICS_BOARD, NAMESPACE, LmserveIngress, LmserveReplica
+from ..launch import UsageError, build_parser, check_args, pick_backend
 from .wire import ROUTINGS
+
+if TYPE_CHECKING:
+    from ray import serve
 
 APP = "lmserve"
 
@@ -77,6 +75,11 @@ def _replica_argv(rest: list[str], threads: int) -> list[str]:
 
 def build_application(cluster: argparse.Namespace, args: argparse.Namespace,
                       replica_argv: list[str]) -> serve.Application:
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    from .deployments import LmserveIngress, LmserveReplica
+
     replicas = cluster.replicas
     per_replica = args.batch + args.queue  # running + waiting: the engine's bound
     options: dict[str, object] = {
@@ -117,7 +120,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse.Namespace, 
     UsageError."""
     cluster, rest = cluster_parser().parse_known_args(list(argv))
     args = build_parser().parse_args(rest)
-    _check_ranges(args)
+    check_args(args)
     if cluster.replicas < 1:
         raise UsageError("--replicas must be at least 1")
     if cluster.admit_wait < 0:
@@ -130,7 +133,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse.Namespace, 
             raise UsageError(f"--{name.replace('_', '-')} is out of range")
     if (cluster.min_replicas or 0) > (cluster.max_replicas or sys.maxsize):
         raise UsageError("--min-replicas is above --max-replicas")
-    _pick_backend(args)  # the model and its backend, before Ray starts for nothing
+    pick_backend(args)  # the model and its backend, before Ray starts for nothing
     threads = args.threads or max(1, int(cluster.replica_cpus))
     return cluster, args, _replica_argv(rest, threads)
 
@@ -146,11 +149,22 @@ def app(config: dict[str, str]) -> serve.Application:
     return build_application(cluster, args, replica_argv)
 
 
-def cluster_command(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str]) -> int:
+    """``lmserve cluster ...``; the exit status. Its help and checks need no Ray."""
     try:
         cluster, args, replica_argv = parse(argv)
     except UsageError as exc:
         print(f"lmserve cluster: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import ray
+        from ray import serve
+        from ray.serve.config import HTTPOptions
+
+        from .deployments import METRICS_BOARD, NAMESPACE
+    except ImportError as exc:  # Ray is an optional extra
+        print(f"lmserve cluster: error: {exc}; install it with "
+              "`pip install 'lmserve-core[ray]'`", file=sys.stderr)
         return 2
     logs.configure(args.log_level, log_format=args.log_format)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -67,7 +67,7 @@ class LmserveReplica:
 
     def __init__(self, argv: list[str]) -> None:
         from .. import logs
-        from ..cli import build, build_parser
+        from ..launch import build, build_parser
         from ..plugins import pm
 
         args = build_parser().parse_args(argv)

@@ -49,6 +49,10 @@ class BackendSpec:
     default_model: Callable[[], str | None] | None = None
     # a model path of its own that is not a GGUF file (``lmserve DIR``)
     recognizes: Callable[[str], bool] | None = None
+    # its own options from the parsed flags (``ServerSettings.options``; the flags are added
+    # by the plugin's ``register_options``), and a flag of them naming its model
+    options: Callable[[Any], object] | None = None
+    model_option: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +165,9 @@ class Family:
             kwargs: dict[str, Any] = {}
             if spec.default_model is not None:
                 kwargs["default_model"] = spec.default_model
-            if spec.recognizes is not None:
-                kwargs["recognizes"] = spec.recognizes
+            for name in ("recognizes", "options", "model_option"):
+                if getattr(spec, name) is not None:
+                    kwargs[name] = getattr(spec, name)
             register(
                 spec.name,
                 self.create_backend,

@@ -409,15 +409,14 @@ class ServedConformance(_Settings):
         disk: Any = None,
     ) -> Any:
         from lmserve_core.backend import ServerSettings
+        from lmserve_core.settings import DiskSettings, SpeculationSettings
         from lmserve_core.testing.serving import serve
 
-        settings = ServerSettings(ctx=1024, threads=2, kv_slots=4, batch=batch)
-        if spec:
-            settings.extra["spec"] = True
-        if draft:
-            settings.extra["spec_draft"] = subject.path
-        if disk is not None:
-            settings.extra["kv_cache_dir"] = str(disk)
+        settings = ServerSettings(
+            ctx=1024, threads=2, kv_slots=4, batch=batch,
+            speculation=SpeculationSettings(prompt_lookup=spec, draft=subject.path if draft else None),
+            disk=DiskSettings(directory=None if disk is None else str(disk)),
+        )
         assert subject.create_backend is not None
         return serve(subject.create_backend(subject.path, settings), settings)
 

@@ -12,6 +12,7 @@ from lmserve_gemma import plugin
 from lmserve_core.backend import ServerSettings
 from lmserve_core.events import Finish, TextDelta
 from lmserve_core.request import Message, NormalizedRequest, Sampling
+from lmserve_core.settings import DiskSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -45,11 +46,12 @@ def test_a_window_cache_spilled_and_restored_answers_as_cold(tmp_path: Path) -> 
     document = TEXT.read_text(encoding="utf-8")[:4000]
     first = [Message("user", f"{document}\n\nWhat is this text about? One sentence.")]
 
-    def backend(**extra: Any) -> Any:
-        settings = ServerSettings(ctx=2048, threads=2, kv_slots=1, batch=1, extra=extra)
+    def backend(directory: str | None = None) -> Any:
+        settings = ServerSettings(ctx=2048, threads=2, kv_slots=1, batch=1,
+                                  disk=DiskSettings(directory=directory))
         return plugin.create_backend(str(gemma3_path()), settings)
 
-    served = backend(kv_cache_dir=str(tmp_path))
+    served = backend(str(tmp_path))
     try:
         reply, finish = ask(served, first)
         assert finish.usage.prompt_tokens > 800  # past the 512-position window

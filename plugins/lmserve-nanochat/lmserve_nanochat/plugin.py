@@ -8,12 +8,15 @@ containers) and presents it to the generic chat path as a GGUF in memory
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmserve_core.backend import Capabilities, SamplingDefaults, ServerSettings
 from lmserve_core.gguf_file import GGUFError, GGUFFile
+from lmserve_core.hookspecs import hookimpl
 from lmserve_core.kit.family import BackendSpec, Family
 from lmserve_core.model import FamilyConventions
 from lmserve_core.tokenizer import Tokenizer, TokenType
@@ -66,6 +69,57 @@ CHAT_TEMPLATE = """\
 """
 
 
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The nanochat backend's own flags (``ServerSettings.options``)."""
+
+    step: int | None = None  # the checkpoint's training step; None: the latest
+    source: str | None = None  # base, mid, sft or rl; None: sft, rl, mid, base, the first
+    tokenizer: str | None = None  # the tokenizer's path when it is not beside the checkpoint
+    load_type: str = "q8_0"  # the type matrices are held in once read
+
+    @classmethod
+    def from_args(cls, args: Any) -> Options:
+        return cls(step=args.step, source=args.source, tokenizer=args.tokenizer,
+                   load_type=args.load_type)
+
+
+def _step(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or positive (got {value})")
+    return value
+
+
+@hookimpl
+def register_options(parser: argparse.ArgumentParser) -> None:
+    """``--nanochat DIR`` and the checkpoint's flags."""
+    c = parser.add_argument_group("nanochat checkpoints (models that are not GGUF files)")
+    c.add_argument(
+        "--nanochat",
+        metavar="DIR",
+        help="serve a nanochat checkpoint directory (its base dir, a *_checkpoints or d{N} "
+        "dir, model.safetensors + tokenizer.bin, or the Hugging Face layout)",
+    )
+    c.add_argument("--step", type=_step,
+                   help="the checkpoint's training step (default: the latest)")
+    c.add_argument(
+        "--source",
+        choices=["base", "mid", "sft", "rl"],
+        help="which of a nanochat base dir's checkpoints: base_, mid_, chatsft_ or "
+        "chatrl_checkpoints (default: sft, then rl, then mid, then base, the first present)",
+    )
+    c.add_argument(
+        "--tokenizer", metavar="PATH", help="the checkpoint's tokenizer, when it is not beside it"
+    )
+    c.add_argument(
+        "--load-type",
+        choices=list(LOAD_TYPES),
+        default="q8_0",
+        help="the type a checkpoint's matrices are held in once read (default q8_0)",
+    )
+
+
 def recognizes(path: str) -> bool:
     """A directory holding a nanochat run in one of the layouts ``load_checkpoint`` reads."""
     from .checkpoint import looks_like_nanochat
@@ -78,17 +132,11 @@ def open_checkpoint(path: str, settings: ServerSettings) -> GGUFFile:
     from .checkpoint import load_checkpoint
     from .view import build_view
 
-    extra = settings.extra
-    load_type = extra.get("load_type") or "q8_0"
-    if load_type not in LOAD_TYPES:
-        raise CheckpointError(f"load type {load_type!r}: one of {', '.join(LOAD_TYPES)}")
+    opts = settings.options if isinstance(settings.options, Options) else Options()
+    if opts.load_type not in LOAD_TYPES:
+        raise CheckpointError(f"load type {opts.load_type!r}: one of {', '.join(LOAD_TYPES)}")
     try:
-        ckpt = load_checkpoint(
-            path,
-            step=extra.get("step"),
-            tokenizer=extra.get("tokenizer"),
-            source=extra.get("source"),
-        )
+        ckpt = load_checkpoint(path, step=opts.step, tokenizer=opts.tokenizer, source=opts.source)
     except CheckpointError as exc:
         raise GGUFError(str(exc)) from None
     metadata: dict[str, Any] = dict(ckpt.vocab.gguf_metadata())
@@ -107,7 +155,7 @@ def open_checkpoint(path: str, settings: ServerSettings) -> GGUFFile:
     tensors = _TakeOnce(ckpt.tensors)
     ckpt.tensors.clear()
     view = build_view(
-        ckpt.config, tensors, path=ckpt.model_file, weights=load_type, metadata=metadata
+        ckpt.config, tensors, path=ckpt.model_file, weights=opts.load_type, metadata=metadata
     )
     view.model_id = model_id(ckpt.model_file)
     return view
@@ -186,6 +234,8 @@ FAMILY = Family(
             "nanochat checkpoints (its own .pt + meta.json, model.safetensors + tokenizer.bin, "
             "or the Hugging Face layout)",
             recognizes=recognizes,
+            options=Options.from_args,
+            model_option="--nanochat",
         )
     ],
 )

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 import vocab_fixtures as vf
-from lmserve_nanochat.plugin import FAMILY
+from lmserve_nanochat.plugin import FAMILY, Options
 from tiny_nanochat import REFERENCE, Spec, native_config, tiny_model
 
 from lmserve_core.backend import ServerSettings
@@ -211,7 +211,7 @@ def served(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Served]
     """The checkpoint served, its logits the script's; decoding one token a step, or
     verifying the script's drafts."""
     settings = ServerSettings(ctx=256, threads=1, kv_slots=1, batch=1, kv_type="f32",
-                              extra={"load_type": "f32"})
+                              options=Options(load_type="f32"))
     backend = FAMILY.create_backend(str(checkpoint), settings)
     vocab = Vocabulary()
     assert backend.vocab_size == vf.VOCAB_SIZE == vocab.enc.n_vocab

@@ -18,7 +18,7 @@ pytest.importorskip("tiktoken")
 pytest.importorskip("rustbpe")
 
 from lmserve_nanochat.model import NanochatModel  # noqa: E402
-from lmserve_nanochat.plugin import open_checkpoint  # noqa: E402
+from lmserve_nanochat.plugin import Options, open_checkpoint  # noqa: E402
 from runs import native_run  # noqa: E402
 from tiny_nanochat import SPECS, native_config, tiny_model  # noqa: E402
 from vocab_fixtures import VOCAB_SIZE, corpus, encoding, write_tokenizer_bin, write_tokenizer_json  # noqa: E402
@@ -29,7 +29,7 @@ ATOL = 2e-4  # of max |logit|, as the forward tests
 
 
 def served_logits(path: Path, ids: list[int]) -> np.ndarray:
-    view = open_checkpoint(str(path), ServerSettings(ctx=256, extra={"load_type": "f32"}))
+    view = open_checkpoint(str(path), ServerSettings(ctx=256, options=Options(load_type="f32")))
     model = NanochatModel.load(view, n_threads=2, kv_type="f32")
     try:
         return model.forward(model.new_cache(len(ids) + 1), ids, 0, all_logits=True)

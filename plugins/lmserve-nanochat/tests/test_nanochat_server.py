@@ -22,9 +22,11 @@ pytest.importorskip("torch")
 pytest.importorskip("tiktoken")
 pytest.importorskip("rustbpe")
 
+from lmserve_nanochat.plugin import Options  # noqa: E402
 from runs import STEP, native_run, reference_reply  # noqa: E402
 
-from lmserve_core import cli  # noqa: E402
+import lmserve_core.plugins  # noqa: E402
+from lmserve_core import launch as startup  # noqa: E402
 
 MAX_TOKENS = 24
 SYSTEM = "Answer in one word."
@@ -124,24 +126,29 @@ def test_a_turn_marker_in_a_message_stays_text(
 def test_a_run_directory_is_recognised(run: tuple[Path, Any]) -> None:
     base, _ = run
     for path in (base, base / "chatsft_checkpoints", base / "chatsft_checkpoints" / "d4"):
-        args = cli.build_parser().parse_args([str(path)])
-        spec, model = cli._pick_backend(args)  # noqa: SLF001
+        args = startup.build_parser().parse_args([str(path)])
+        spec, model = startup.pick_backend(args)
         assert (spec.name, model) == ("nanochat", str(path))
 
 
 def test_an_unknown_directory_is_a_usage_error(tmp_path: Path) -> None:
-    args = cli.build_parser().parse_args([str(tmp_path)])
-    with pytest.raises(cli.UsageError, match="no installed plugin recognises"):
-        cli._pick_backend(args)  # noqa: SLF001
+    args = startup.build_parser().parse_args([str(tmp_path)])
+    with pytest.raises(startup.UsageError, match="no installed plugin recognises"):
+        startup.pick_backend(args)
 
 
 def test_nanochat_flag_conflicts(tmp_path: Path) -> None:
     for argv in (
         ["--nanochat", str(tmp_path), "other.gguf"],
         ["--nanochat", str(tmp_path), "--backend", "llama"],
-        ["--step", "-1"],
     ):
-        args = cli.build_parser().parse_args(argv)
-        with pytest.raises(cli.UsageError):
-            cli._check_ranges(args)  # noqa: SLF001
-    assert isinstance(cli.build_parser().parse_args([]), argparse.Namespace)
+        args = startup.build_parser().parse_args(argv)
+        with pytest.raises(startup.UsageError):
+            startup.check_args(args)
+    with pytest.raises(SystemExit):  # the plugin's flag checks its value as it parses
+        startup.build_parser().parse_args(["--step", "-1"])
+    args = startup.build_parser().parse_args(["--step", "3", "--load-type", "bf16"])
+    spec = lmserve_core.plugins.backends()["nanochat"]
+    assert spec.options is not None
+    assert spec.options(args) == Options(step=3, load_type="bf16")
+    assert isinstance(startup.build_parser().parse_args([]), argparse.Namespace)
