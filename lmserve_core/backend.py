@@ -48,6 +48,9 @@ class Capabilities:
     stop_strings: bool = True  # text stop sequences
     system_role: bool = True  # accepts system messages
     raw_completion: bool = True  # /v1/completions (raw prompt, no chat template)
+    # /v1/completions prompts given as token ids (NormalizedRequest.prompt_ids), read
+    # verbatim; a backend that takes them also checks the ids against its vocabulary
+    token_prompts: bool = False
     # token-id logit biases (OpenAI's logit_bias); a backend that honours them also checks
     # the ids against its vocabulary in validate
     logit_bias: bool = False

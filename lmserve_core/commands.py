@@ -106,6 +106,13 @@ def convert_command(argv: Sequence[str]) -> int:
         if Path(args.out).is_dir():
             raise UsageError(f"{args.out} is a directory: give the GGUF file's path")
         written = spec.convert(Path(args.hf_dir), Path(args.out), args.outtype)
+    except ImportError as exc:  # a converter's optional dependency (its plugin's extra)
+        why = str(exc) if "pip install" in str(exc) else (
+            f"the {architecture} converter needs {exc.name or exc}, which is not installed "
+            "(its plugin's documentation names the extra that brings it)"
+        )
+        print(f"lmserve convert: error: {why}", file=sys.stderr)
+        return 2
     except UsageError as exc:
         print(f"lmserve convert: error: {exc}", file=sys.stderr)
         return 2

@@ -176,8 +176,10 @@ class GGUFChatBackend:
             self.model = model = wrapped
         conventions = file_sampling(gguf, conventions)
         self.conventions = conventions
-        # the sampler biases logits by token id on every family
-        self.capabilities: Capabilities = replace(conventions.capabilities, logit_bias=True)
+        # the sampler biases logits by token id, and prompts may be token ids, on every family
+        self.capabilities: Capabilities = replace(
+            conventions.capabilities, logit_bias=True, token_prompts=True
+        )
         self.context_length = int(settings.ctx)
         if self.context_length < 2:
             raise ValueError(f"the context must hold at least 2 tokens, got {self.context_length}")
@@ -450,6 +452,12 @@ class GGUFChatBackend:
         """The prompt's token ids, and the rendered chat text (None for raw prompts). With
         ``most``, ``TooManyTokens`` once there are more than ``most`` of them: the work is
         then bounded by ``most``, not by the prompt's length."""
+        if request.prompt_ids is not None:
+            # Token ids are the model's input as given: no BOS, no special-token parsing.
+            self._check_ids(request.prompt_ids, "prompt")
+            if most is not None and len(request.prompt_ids) > most:
+                raise TooManyTokens(len(request.prompt_ids), most, exact=True)
+            return list(request.prompt_ids), None
         if request.prompt is not None:
             # Raw completions: BOS per the vocabulary, special-token text parsed like
             # llama-server does.
@@ -868,7 +876,10 @@ class GGUFChatBackend:
     def _fleet_prefix(self, request: NormalizedRequest) -> PrefixRows:
         """The prefix of the documents ``request``'s conversation is served behind."""
         assert self.fleet is not None
-        chosen = self.fleet.select(request.messages, request.prompt)
+        prompt = request.prompt
+        if request.prompt_ids is not None:  # retrieved by the text the ids spell
+            prompt = self.tokenizer.decode(request.prompt_ids) or " "
+        chosen = self.fleet.select(request.messages, prompt)
         log.info(
             "fleet_selection", id=request.id, how=chosen.how,
             docs=self.fleet.names(chosen.docs), scores=[round(s, 4) for s in chosen.scores],
@@ -1133,11 +1144,12 @@ class GGUFChatBackend:
             return None
         return ThinkRouter(markers, inside=prepared.think_inside)
 
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        n = self.tokenizer.vocab_size
+    def _check_ids(self, ids: Sequence[int], param: str | None = None) -> None:
+        # a prompt's ids index the model's embeddings too
+        n = self.tokenizer.vocab_size if param is None else self.vocab_size
         for tid in ids:
             if not 0 <= int(tid) < n:
-                raise InvalidRequest(f"token id {tid} is outside the vocabulary [0, {n})")
+                raise InvalidRequest(f"token id {tid} is outside the vocabulary [0, {n})", param=param)
 
 
 # general.sampling.* keys (as llama.cpp's converter writes a model's generation_config)

@@ -113,13 +113,15 @@ class NormalizedRequest:
     """One generation request, independent of the wire dialect it arrived in.
 
     Exactly one of ``messages`` (chat) or ``prompt`` (raw text completion) is used:
-    ``prompt`` is not None for ``/v1/completions``.
+    ``prompt`` is not None for ``/v1/completions``. A token-id prompt comes as
+    ``prompt_ids`` (read verbatim: no BOS added) with ``prompt`` the empty string.
     """
 
     id: str
     dialect: Literal["chat", "responses", "messages", "completions"]
     messages: list[Message] = field(default_factory=list)
     prompt: str | None = None
+    prompt_ids: list[int] | None = None
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     sampling: Sampling = field(default_factory=Sampling)

@@ -4,6 +4,7 @@ registered; anything else is a clear error."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,4 +46,17 @@ def test_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], setup, mes
     hf = setup(tmp_path)
     assert cli.main(["convert", str(hf), str(tmp_path / "o.gguf"), "--plugin", "fake_converter"]) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_a_converter_missing_its_extra_says_which(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("lmserve_inkling")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    hf = checkpoint(tmp_path, "InklingForCausalLM")
+    assert cli.main(["convert", str(hf), str(tmp_path / "o.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "pip install 'lmserve-inkling[convert]'" in err
     assert not (tmp_path / "o.gguf").exists()

@@ -55,6 +55,32 @@ def test_claude_code_line_uses_what_the_agent_tests_set() -> None:
     assert '"ANTHROPIC_API_KEY"' in agents
 
 
+def stated_defaults(text: str) -> dict[str, str]:
+    """The defaults a text states as "`--flag` ... (default X" (first word of X)."""
+    found = re.findall(r"`(--[a-z-]+)[^`]*`[^`(]{0,60}\(default:? ([^),;:]+)", text)
+    return {flag: value.split()[0] for flag, value in found}
+
+
+def test_readme_defaults_are_the_parsers() -> None:
+    from lmserve_core.launch import build_parser
+
+    parser = build_parser()
+    defaults = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
+    stated = stated_defaults(README)
+    assert {"--ctx", "--kv-slots", "--batch", "--max-body-mb"} <= set(stated)
+    for flag, value in stated.items():
+        assert flag in defaults, f"the README names {flag}, which lmserve does not take"
+        default = defaults[flag]
+        if isinstance(default, int) and value.isdigit():
+            assert int(value) == default, f"README: {flag} default {value}; --help: {default}"
+    # the families the README lists are the plugins the checkout has
+    families = {p.name.removeprefix("lmserve-") for p in (ROOT / "plugins").iterdir()}
+    layout = next(line for line in README.splitlines() if line.startswith("plugins/lmserve-*/"))
+    assert families <= set(re.findall(r"\w+", layout))
+    guide = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    assert families <= set(re.findall(r"families/(\w+)\.md", guide))
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the checkout's tracked files, with the README's install command run in it."""
@@ -75,6 +101,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "done:" in done.stdout
+    # packaging problems (a data directory setuptools would drop, ...) show as warnings
+    assert "Warning" not in done.stdout + done.stderr, done.stdout + done.stderr
     return copy
 
 
@@ -143,3 +171,25 @@ def test_the_openai_sdk_example_prints_a_reply(server: int, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+
+
+def test_the_readmes_test_command_runs_the_tests_from_the_install(installed: Path) -> None:
+    # last in the module: it turns the copy's environment into a development install
+    development = README[README.index("## Development"):]
+    command = re.findall(r"```sh\n(.*?)\n```", development, flags=re.S)[1].strip()
+    install, _, tests = command.partition(" && ")
+    assert install == "scripts/install.sh --dev"
+    assert tests.startswith(".venv/bin/python -m pytest tests")
+    done = subprocess.run(
+        install, shell=True, cwd=installed, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Warning" not in done.stdout + done.stderr, done.stdout + done.stderr
+    # the same interpreter and runner on two of the suite's files, one starting servers
+    done = subprocess.run(
+        ".venv/bin/python -m pytest tests/test_dialect_completions.py tests/test_examples_clients.py "
+        "-q -x -p no:cacheprovider",
+        shell=True, cwd=installed, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout

@@ -58,10 +58,13 @@ def model_path(name: str) -> Path:
     return smollm2_path() if name == "smollm2" else gemma3_path()
 
 
-def build(model: Path, corpus: Path, out: Path, p: int = P) -> subprocess.CompletedProcess[str]:
+def build(
+    model: Path, corpus: Path, out: Path, p: int | None = P
+) -> subprocess.CompletedProcess[str]:
+    rows = [] if p is None else ["--p", str(p)]
     return subprocess.run(
         [sys.executable, "-m", "lmserve_core", "cartridge", "build", "--init", "prefill",
-         str(corpus), str(out), "--p", str(p), "--model", str(model), "--threads", "2"],
+         str(corpus), str(out), *rows, "--model", str(model), "--threads", "2"],
         capture_output=True, text=True, timeout=300,
     )
 
@@ -349,6 +352,24 @@ def test_start_up_refuses_a_cartridge_that_does_not_fit(tmp_path: Path) -> None:
                        "--cartridge", str(few))
     assert done.returncode == 2
     assert "the scripted backend does not serve cartridges" in done.stderr + done.stdout
+
+
+def test_build_without_p_takes_the_whole_document(tmp_path: Path) -> None:
+    from lmserve_core.cartridge import read_cartridge
+    from lmserve_core.cartridge.prefill import document_tokens
+    from lmserve_core.gguf_file import GGUFFile
+    from lmserve_core.tokenizer import Tokenizer
+
+    model = model_path("smollm2")
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text(DOCUMENT)
+    done = build(model, corpus, tmp_path / "c.safetensors", p=None)
+    assert done.returncode == 0, done.stderr
+    with GGUFFile.open(model) as gguf:
+        tokens = document_tokens(Tokenizer.from_gguf(gguf), DOCUMENT)
+    cartridge = read_cartridge(tmp_path / "c.safetensors")
+    assert cartridge.p == len(tokens) > P
+    assert f"p = {len(tokens)} rows" in done.stdout
 
 
 def test_build_refuses_what_it_cannot_make(tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
-"""``n`` choices and token logprobs on the real SmolLM2 model, through the official SDKs
-against a real ``lmserve`` process."""
+"""``n`` choices, token logprobs and legacy completions' prompt forms (token ids, several
+prompts) on the real SmolLM2 model, through the official SDKs against a real ``lmserve``
+process."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 import re
+from typing import Any
 
+import httpx
 import openai
 import pytest
 from processes import API_KEY
@@ -245,3 +248,99 @@ def test_control_text_in_content_stays_text_in_every_dialect(smol, oai) -> None:
 
         for count in (chat, responses, messages):
             assert count(injected) - count(plain) >= extra - 1, count.__name__
+
+
+# ---------------------------------------------------------------------------- prompts
+# /v1/completions' token-id prompts and lists of prompts
+
+TEXTS = ["The capital of France is", "def fibonacci(n):"]
+GREEDY: dict[str, Any] = {"model": "m", "temperature": 0, "max_tokens": 12}
+
+
+def tokenize(
+    smol: Any, text: str, add_special: bool = True, parse_special: bool = True
+) -> list[int]:
+    """The ids the server reads for ``text`` as a prompt (BOS per the vocabulary)."""
+    r = httpx.post(
+        smol.base_url + "/tokenize",
+        json={"content": text, "add_special": add_special, "parse_special": parse_special},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 200, r.text
+    ids: list[int] = r.json()["tokens"]
+    return ids
+
+
+def test_token_ids_continue_as_the_text_does(smol, oai) -> None:  # type: ignore[no-untyped-def]
+    ids = tokenize(smol, TEXTS[0])
+    by_text = oai.completions.create(prompt=TEXTS[0], **GREEDY)
+    by_ids = oai.completions.create(prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text != ""
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    assert by_ids.usage.completion_tokens == by_text.usage.completion_tokens
+
+
+def test_token_ids_are_read_verbatim(smol, oai) -> None:  # type: ignore[no-untyped-def]
+    # A text prompt reads "<|im_start|>" as the one special token; its ids spelling the
+    # marker as plain text are read as they are, not re-tokenized.
+    text = "<|im_start|>user"
+    spelled = tokenize(smol, text, add_special=False, parse_special=False)
+    assert len(spelled) > len(tokenize(smol, text))
+    reply = oai.completions.create(prompt=spelled, **GREEDY)
+    assert reply.usage.prompt_tokens == len(spelled)
+    as_text = oai.completions.create(prompt=text, **GREEDY)
+    assert as_text.usage.prompt_tokens == len(tokenize(smol, text))
+
+
+def test_list_of_token_lists_is_prompt_major(smol, oai) -> None:  # type: ignore[no-untyped-def]
+    ids = [tokenize(smol, t) for t in TEXTS]
+    alone = [oai.completions.create(prompt=t, **GREEDY) for t in TEXTS]
+    both = oai.completions.create(prompt=ids, n=2, **GREEDY)
+    expected = [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == expected
+    assert both.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    # a list of strings is served the same way
+    texts = oai.completions.create(prompt=TEXTS, n=2, **GREEDY)
+    assert [c.text for c in texts.choices] == expected
+    assert texts.usage.prompt_tokens == both.usage.prompt_tokens
+
+
+def test_token_lists_streamed(smol, oai) -> None:  # type: ignore[no-untyped-def]
+    ids = [tokenize(smol, t) for t in TEXTS]
+    whole = oai.completions.create(prompt=ids, **GREEDY)
+    chunks = list(
+        oai.completions.create(
+            prompt=ids, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    texts = ["", ""]
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_echo_of_token_ids(smol, oai) -> None:  # type: ignore[no-untyped-def]
+    ids = tokenize(smol, TEXTS[0], add_special=False)
+    plain = oai.completions.create(prompt=ids, **GREEDY)
+    echoed = oai.completions.create(prompt=ids, echo=True, **GREEDY)
+    assert echoed.choices[0].text == TEXTS[0] + plain.choices[0].text
+
+
+def test_bad_token_ids(smol, oai) -> None:  # type: ignore[no-untyped-def]
+    vocab = 49152  # SmolLM2's vocabulary
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(prompt=[[1, 2], [3, vocab, 5]], **GREEDY)
+    assert "'prompt[1][1]'" in info.value.message and str(vocab) in info.value.message
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(prompt=[1, -4], **GREEDY)
+    assert "'prompt[1]'" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(prompt=[7] * 2100, **GREEDY)
+    assert info.value.code == "context_length_exceeded"

@@ -252,6 +252,38 @@ def test_errors_show_the_message_the_api_returned(tab: Any, server: RunningServe
     screenshot(tab, "errors")
 
 
+def test_a_phone_opens_the_conversations_from_the_header(tab: Any, server: RunningServer) -> None:
+    tab.set_viewport_size({"width": 390, "height": 844})  # a phone, held upright
+    open_page(tab, server.base_url, api_key=API_KEY)
+    assert not tab.is_visible("#sidebar") and tab.is_visible("#sidebar-toggle")
+    send(tab, "#reply:first answer")
+    wait_idle(tab)
+    tab.click("#sidebar-toggle")
+    assert tab.is_visible("#new-chat") and tab.is_visible("#chats li")
+    assert tab.get_attribute("#sidebar-toggle", "aria-expanded") == "true"
+    # the overlay does not push the conversation off the screen: it covers part of it
+    box = tab.locator("#sidebar").bounding_box()
+    assert box is not None and box["x"] == 0 and box["width"] < 390
+    screenshot(tab, "phone-sidebar")
+    tab.click("#new-chat")
+    assert not tab.is_visible("#sidebar")
+    assert tab.locator(".msg").count() == 0
+    tab.click("#sidebar-toggle")
+    tab.click("#chats li .open")
+    assert not tab.is_visible("#sidebar")
+    assert "first answer" in tab.locator(".msg.assistant").inner_text()
+    screenshot(tab, "phone")
+    tab.click("#sidebar-toggle")
+    tab.keyboard.press("Escape")
+    assert not tab.is_visible("#sidebar")
+    tab.click("#sidebar-toggle")
+    tab.mouse.click(350, 400)  # beside the overlay
+    assert not tab.is_visible("#sidebar")
+    # a wide window shows the list and no button
+    tab.set_viewport_size({"width": 1200, "height": 760})
+    assert tab.is_visible("#sidebar") and not tab.is_visible("#sidebar-toggle")
+
+
 def test_reasoning_folds_into_a_block_and_the_switch_asks_for_it(
     tab: Any, server: RunningServer
 ) -> None:

@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("corpus", help="the document: a UTF-8 text file")
     b.add_argument("out", help="the cartridge to write (.safetensors)")
-    b.add_argument("--p", type=int, required=True, help="rows of the prefix: the tokens it stands for")
+    b.add_argument(
+        "--p", type=int, default=None,
+        help="rows of the prefix: the document's first p tokens (default: the whole document)",
+    )
     b.add_argument(
         "--init", choices=["prefill"], default="prefill",
         help="how the rows start: prefill, the model's own rows for the document's first p "
@@ -60,10 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def whole_document(args: argparse.Namespace) -> int:
+    """The token count of ``args.corpus`` as a cartridge reads it (``--p`` left out)."""
+    from ..launch import load_backend
+    from .prefill import document_tokens
+
+    text = Path(args.corpus).read_text(encoding="utf-8")
+    backend = load_backend(args, 16)
+    try:
+        return len(document_tokens(backend.tokenizer, text))
+    finally:
+        backend.close()
+
+
 def build_command(args: argparse.Namespace) -> int:
-    from .prefill import model_metadata, prefill_cartridge
+    from .prefill import document_tokens, model_metadata, prefill_cartridge
 
     if args.train:
+        if args.p is None:
+            args.p = whole_document(args)
         # self-study lives in lmserve_core.cartridge.train, on the train extra's libraries
         if importlib.util.find_spec("lmserve_core.cartridge.train") is None:
             raise CartridgeError(
@@ -72,14 +90,17 @@ def build_command(args: argparse.Namespace) -> int:
             )
         train = importlib.import_module("lmserve_core.cartridge.train")
         return int(train.build_command(args))
-    if args.p < 2:
+    if args.p is not None and args.p < 2:
         raise CartridgeError(f"--p must be at least 2, got {args.p}")
     text = Path(args.corpus).read_text(encoding="utf-8")
     from ..launch import load_backend
 
-    backend = load_backend(args, args.p)
+    # without --p, the whole document: its length is known once its model's tokenizer is
+    backend = load_backend(args, args.p or 16)
     try:
         started = time.perf_counter()
+        if args.p is None:
+            args.p = len(document_tokens(backend.tokenizer, text))
         meta = model_metadata(backend.gguf)
         meta["corpus"] = Path(args.corpus).name
         meta["kv_type"] = args.kv_type

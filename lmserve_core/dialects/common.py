@@ -180,11 +180,21 @@ async def collect(
     return (await collect_choices(engine, request, normalized))[0]
 
 
+def _choices(normalized: NormalizedRequest | list[NormalizedRequest]) -> list[NormalizedRequest]:
+    """The generations of a request, or of several (the prompts of one legacy completion,
+    prompt-major: each prompt's ``n`` choices together)."""
+    requests = normalized if isinstance(normalized, list) else [normalized]
+    return [choice for each in requests for choice in choices_of(each)]
+
+
 async def collect_choices(
-    engine: Engine, request: Request[Any, Any, Any], normalized: NormalizedRequest
+    engine: Engine,
+    request: Request[Any, Any, Any],
+    normalized: NormalizedRequest | list[NormalizedRequest],
 ) -> list[Collected]:
-    """:func:`collect` for each of the request's ``n`` choices."""
-    group = StreamGroup(await engine.submit_all(choices_of(normalized)))
+    """:func:`collect` for each of the request's ``n`` choices (of each request, given
+    several)."""
+    group = StreamGroup(await engine.submit_all(_choices(normalized)))
     watcher = asyncio.create_task(_watch_disconnect(request, group))
     try:
         return list(await asyncio.gather(*(_gather(stream) for stream in group.streams)))
@@ -241,12 +251,13 @@ async def _head(stream: RequestStream) -> list[Event]:
 
 
 async def open_choices(
-    engine: Engine, normalized: NormalizedRequest
+    engine: Engine, normalized: NormalizedRequest | list[NormalizedRequest]
 ) -> tuple[StreamGroup, AsyncIterator[tuple[int, Event]]]:
-    """:func:`open_stream` for each of the request's ``n`` choices: the group, and every
-    choice's events tagged with its index, as they come. Waits for the first choice's first
-    event; a later choice's error arrives in its stream."""
-    group = StreamGroup(await engine.submit_all(choices_of(normalized)))
+    """:func:`open_stream` for each of the request's ``n`` choices (of each request, given
+    several): the group, and every choice's events tagged with its index, as they come.
+    Waits for the first choice's first event; a later choice's error arrives in its
+    stream."""
+    group = StreamGroup(await engine.submit_all(_choices(normalized)))
     try:
         head = await _head(group.streams[0])
     except BaseException:

@@ -6,6 +6,7 @@ says what to change. Shared by ``openai_chat`` and ``openai_completions``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -445,26 +446,78 @@ def chat_request(
     return request
 
 
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
+
+
+def completion_prompts(
+    value: Any, caps: Capabilities, vocab_size: int | None = None
+) -> list[str | list[int]]:
+    """The prompts of a legacy completions body, in OpenAI's four forms: a string, a list
+    of strings, a list of token ids, a list of token-id lists. Token ids need a backend
+    that takes them and are checked against ``vocab_size`` (a 400 naming the index)."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list "
+            "of token-id lists, and not empty",
+            param="prompt",
+        )
+    if all(isinstance(item, str) for item in value):
+        prompts: list[str | list[int]] = list(value)
+    elif all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        prompts = [list(value)]
+    elif all(isinstance(item, list) for item in value):
+        prompts = list(value)
+        for i, ids in enumerate(prompts):
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequest(
+                    f"'prompt[{i}]' must be a non-empty list of token ids", param="prompt"
+                )
+    else:
+        raise InvalidRequest(
+            "'prompt' mixes kinds: a list must hold only strings, only token ids or only "
+            "token-id lists",
+            param="prompt",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"'prompt' holds at most {MAX_PROMPTS} prompts", param="prompt")
+    nested = isinstance(value[0], list)
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            continue
+        if not caps.token_prompts:
+            raise Unsupported(
+                "this model's backend does not take token-id prompts; send text", param="prompt"
+            )
+        for j, token in enumerate(prompt):
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                where = f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"
+                raise InvalidRequest(
+                    f"'{where}': token id {token} is outside the vocabulary "
+                    f"[0, {vocab_size if vocab_size is not None else '...'})",
+                    param="prompt",
+                )
+    return prompts
+
+
 def completion_request(
-    body: CompletionRequest, caps: Capabilities, ctx: int, request_id: str
-) -> NormalizedRequest:
-    """Translate a legacy completions body (raw prompt, no chat template)."""
+    body: CompletionRequest,
+    caps: Capabilities,
+    ctx: int,
+    request_id: str,
+    vocab_size: int | None = None,
+) -> list[NormalizedRequest]:
+    """Translate a legacy completions body (raw prompts, no chat template): one request
+    per prompt, each generating ``n`` choices."""
     if not caps.raw_completion:
         raise Unsupported(
             "this model's backend does not serve raw text completions; use /v1/chat/completions",
             param="prompt",
         )
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidRequest(
-                "'prompt' must be a string or a list holding exactly one string "
-                "(token-id prompts and batches are not supported)",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if body.echo:
-        raise reject("echo", "must be false")
+    prompts = completion_prompts(body.prompt, caps, vocab_size)
+    if body.echo and body.logprobs is not None:
+        raise reject("echo", "with 'logprobs' (the prompt's log-probabilities) is not supported")
     if body.suffix is not None:
         raise reject("suffix", "(insertion) is not supported")
     if body.best_of is not None and body.best_of != 1:
@@ -475,10 +528,9 @@ def completion_request(
     sampling = sampling_from(body)
     sampling.logit_bias = logit_bias_from(body, caps)
     stream = bool(body.stream)
-    return NormalizedRequest(
+    base = NormalizedRequest(
         id=request_id,
         dialect="completions",
-        prompt=prompt,
         sampling=sampling,
         max_tokens=bounded_max_tokens(body.max_tokens, "max_tokens", ctx),
         logprobs=logprobs,
@@ -489,3 +541,18 @@ def completion_request(
         include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
         model=body.model,
     )
+    out = []
+    for i, prompt in enumerate(prompts):
+        text, ids = (prompt, None) if isinstance(prompt, str) else ("", list(prompt))
+        # each prompt's requests need ids of their own (the backend keys its work by them)
+        own_id = request_id if len(prompts) == 1 else f"{request_id}-p{i}"
+        out.append(
+            dataclasses.replace(
+                base,
+                id=own_id,
+                prompt=text,
+                prompt_ids=ids,
+                sampling=dataclasses.replace(base.sampling),
+            )
+        )
+    return out

@@ -555,7 +555,14 @@
   function select(id) {
     state.current = id;
     save();
+    showSidebar(false);
     render();
+  }
+
+  // On a narrow screen the conversations are an overlay the header's button opens.
+  function showSidebar(open) {
+    document.body.classList.toggle("sidebar-open", open);
+    $("sidebar-toggle").setAttribute("aria-expanded", String(open));
   }
 
   function remove(id) {
@@ -615,7 +622,19 @@
     bindSettings();
     $("forget-key").hidden = !sessionStorage.getItem(KEY);
     $("forget-key").onclick = () => { sessionStorage.removeItem(KEY); $("forget-key").hidden = true; };
-    $("new-chat").onclick = () => { state.current = null; save(); render(); $("input").focus(); };
+    $("new-chat").onclick = () => {
+      state.current = null;
+      save();
+      showSidebar(false);
+      render();
+      $("input").focus();
+    };
+    $("sidebar-toggle").onclick = () => showSidebar(!document.body.classList.contains("sidebar-open"));
+    // a tap beside the overlay closes it
+    document.querySelector("main").addEventListener("click", (ev) => {
+      if (!ev.target.closest("#sidebar-toggle")) showSidebar(false);
+    });
+    document.addEventListener("keydown", (ev) => { if (ev.key === "Escape") showSidebar(false); });
     $("send").onclick = send;
     $("stop").onclick = () => { if (state.running) state.running.controller.abort(); };
     $("input").addEventListener("keydown", (ev) => {

@@ -71,7 +71,14 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve(hp: dict[str, Any]) -> dict[str, Any]:
     """The hyper-parameters the layout needs, with transformers' defaults filled in."""
-    from transformers import InklingTextConfig
+    try:
+        from transformers import InklingTextConfig
+    except ImportError as exc:
+        raise ImportError(
+            "converting an Inkling checkpoint needs transformers with Inkling (its "
+            "InklingTextConfig fills in the defaults): pip install 'lmserve-inkling[convert]'",
+            name="transformers",
+        ) from exc
 
     cfg = InklingTextConfig(**{k: v for k, v in hp.items() if k != "architectures"})
     n = cfg.num_hidden_layers
