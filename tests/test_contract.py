@@ -348,21 +348,22 @@ def test_an_echo_backend_gets_bounds_usage_and_raw_completions() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_failing_backend_is_a_500_logged_as_one(fail: str, stream: bool) -> None:
     client, engine = serve(EchoBackend(fail))
-    with client, capture_logs() as logs:
-        reply = client.post(
-            "/v1/chat/completions",
-            json={
-                "messages": [{"role": "user", "content": "a b"}],
-                "stream": stream,
-            },
-        )
-        if stream and fail != "before":  # the stream had begun: an in-band error
-            assert reply.status_code == 200
-            assert "error" in sse(reply.text)[-1]
-        else:
-            assert reply.status_code == 500, reply.text
-            assert reply.json()["error"]["type"] == "server_error"
-    engine.stop()
+    with capture_logs() as logs:
+        with client:
+            reply = client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "a b"}],
+                    "stream": stream,
+                },
+            )
+            if stream and fail != "before":  # the stream had begun: an in-band error
+                assert reply.status_code == 200
+                assert "error" in sse(reply.text)[-1]
+            else:
+                assert reply.status_code == 500, reply.text
+                assert reply.json()["error"]["type"] == "server_error"
+        engine.stop()  # the worker writes the line once the stream is closed
     lines = [line for line in logs if line["event"] == "request"]
     assert [(line["status"], line["finish_reason"]) for line in lines] == [(500, "error")]
     if fail == "return":
