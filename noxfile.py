@@ -125,7 +125,9 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     install_project(session)
     session.install("mypy")
-    session.run("mypy", "lmserve_core")
+    # the core, and every plugin's package (plugins/lmserve-llama/lmserve_llama, ...)
+    packages = [f"{p}/{Path(p).name.replace('-', '_')}" for p in [*PLUGINS, *EXAMPLES]]
+    session.run("mypy", "lmserve_core", *packages)
 
 
 @nox.session(python="3.11")
