@@ -27,11 +27,12 @@ from .events import (
     FinishReason,
     ReasoningDelta,
     TextDelta,
+    TokenAlternative,
     TokenLogprob,
     ToolCallEvent,
     Usage,
 )
-from .request import NormalizedRequest
+from .request import NormalizedRequest, ToolCall
 from .stops import StopScanner
 
 FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
@@ -112,11 +113,14 @@ class ReplySink:
                 return
             self._scan(event, self._scanner)
         elif isinstance(event, TokenLogprob):
+            if not isinstance(event.chosen, TokenAlternative):
+                raise ContractError("TokenLogprob.chosen must be a TokenAlternative")
             if self._pending:
                 self._pending.append(event)
             else:
                 self._out.emit(event)
         elif isinstance(event, ToolCallEvent | ErrorEvent):
+            _check_fields(event)
             self._release()
             self._out.emit(event)
         else:
@@ -225,6 +229,18 @@ class ReplySink:
 
 
 _EVENTS = (TextDelta, ReasoningDelta, ToolCallEvent, TokenLogprob, ErrorEvent)
+
+
+def _check_fields(event: ToolCallEvent | ErrorEvent) -> None:
+    """The fields the dialects' encoders read, of the types they read them as."""
+    if isinstance(event, ToolCallEvent):
+        call = event.call
+        if not isinstance(call, ToolCall) or not all(
+            isinstance(v, str) for v in (call.id, call.name, call.arguments)
+        ):
+            raise ContractError("ToolCallEvent.call must be a ToolCall of str id, name, arguments")
+    elif not isinstance(event.message, str) or not isinstance(event.status, int):
+        raise ContractError("ErrorEvent needs a str message and an int status")
 
 
 def _bad_event(event: object) -> ContractError:

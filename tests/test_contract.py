@@ -147,6 +147,10 @@ def test_emitting_what_is_no_event_is_a_contract_error() -> None:
         sink.emit("text")  # type: ignore[arg-type]
     with pytest.raises(ContractError, match="must be a str"):
         sink.emit(TextDelta(b"bytes"))  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match="ToolCallEvent.call"):
+        sink.emit(ToolCallEvent({"name": "f"}))  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match="ErrorEvent"):
+        sink.emit(ErrorEvent(None))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- a no-op for families

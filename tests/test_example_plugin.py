@@ -137,3 +137,9 @@ def test_example_backend_refuses_what_it_cannot_do(client) -> None:  # type: ign
         )
     assert info.value.status_code == 501
     assert "response_format" in str(info.value)
+
+
+def test_the_plugin_guide_quotes_the_example_as_it_is() -> None:
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    source = (EXAMPLE / "lmserve_reverse" / "__init__.py").read_text()
+    assert f"```python\n{source}```" in guide
