@@ -44,7 +44,7 @@ class Capabilities:
     # How the family's model writes calls (lmserve_core.tools.HERMES, ...); None: it has no
     # convention, and only forced calls (through a grammar) can produce one.
     tools: ToolConvention | None = None
-    stop_strings: bool = True  # text stop sequences
+    stop_strings: bool = True  # text stop sequences (core applies them; False refuses them)
     system_role: bool = True  # accepts system messages
     raw_completion: bool = True  # /v1/completions (raw prompt, no chat template)
     # token-id logit biases (OpenAI's logit_bias); a backend that honours them also checks
