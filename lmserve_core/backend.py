@@ -6,7 +6,10 @@ A backend is an object with two methods that matter to the server:
   cheap: message shape, capabilities, prompt length. It raises an ``LmserveError``.
 * ``generate(request, sink)`` runs on the single inference worker thread. It emits
   events into ``sink`` (text, reasoning, tool calls) and returns a ``Finish`` event.
-  It checks ``sink.cancelled`` between tokens and stops early when it turns true.
+  It checks ``sink.cancelled`` between tokens and stops early when it turns true. The
+  engine applies the request's ``stop`` strings and ``max_tokens`` to what it emits and
+  counts the usage a ``Finish`` leaves out, whatever the backend does itself (see
+  ``lmserve_core.contract``); what it emits are the events of ``lmserve_core.events``.
 
 A backend may also batch: ``batch_size`` (how many requests it generates at once),
 ``begin(request, sink)`` returning a generation handle with a ``finish`` attribute (None
@@ -45,7 +48,7 @@ class Capabilities:
     # How the family's model writes calls (lmserve_core.tools.HERMES, ...); None: it has no
     # convention, and only forced calls (through a grammar) can produce one.
     tools: ToolConvention | None = None
-    stop_strings: bool = True  # text stop sequences
+    stop_strings: bool = True  # text stop sequences (core applies them; False refuses them)
     system_role: bool = True  # accepts system messages
     raw_completion: bool = True  # /v1/completions (raw prompt, no chat template)
     # /v1/completions prompts given as token ids (NormalizedRequest.prompt_ids), read

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import structlog
 
 from .backend import Backend
+from .contract import ReplySink
 from .errors import LmserveError, QueueFull, ShuttingDown
 from .events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
 from .metrics import Metrics
@@ -159,6 +160,7 @@ class RequestStream:
 class _Job:
     stream: RequestStream
     generation: Any = None  # the backend's handle while it is being generated in a batch
+    sink: ReplySink | None = None  # what the backend emits into (batching backends)
 
 
 class Engine:
@@ -330,12 +332,20 @@ class Engine:
                                 ErrorEvent(f"generation failed: {exc}", 500, "server_error")
                             )
                             job.generation.finish = Finish("error", Usage())
+                for job in running:
+                    assert job.sink is not None
+                    job.sink.step_done()
             ended = [
                 job for job in active if job.generation is None or job.generation.finish is not None
             ]
             for job in ended:
                 if job.generation is not None:
-                    self._end(job.stream, job.generation.finish)
+                    assert job.sink is not None
+                    try:
+                        finish = job.sink.close(job.generation.finish)
+                    except Exception as exc:
+                        finish = self._failed(job.stream, exc)
+                    self._end(job.stream, finish)
             if ended:
                 with self._cond:
                     active[:] = [job for job in active if job not in ended]
@@ -347,14 +357,35 @@ class Engine:
             self._skip(stream)
             return
         stream.timing.started = time.perf_counter()
+        job.sink = self._sink(stream, per_step=True)
         try:
-            job.generation = self._batcher.begin(stream.request, stream)
+            job.generation = self._batcher.begin(stream.request, job.sink)
         except Exception as exc:
             self._end(stream, self._failed(stream, exc))
 
+    def _sink(self, stream: RequestStream, *, per_step: bool = False) -> ReplySink:
+        """The sink a backend generates ``stream``'s reply into: the stream behind the
+        bounds core applies to every backend (``lmserve_core.contract``)."""
+        return ReplySink(stream, stream.request, per_step=per_step, count_prompt=self._count_prompt)
+
+    def _count_prompt(self, request: NormalizedRequest) -> int:
+        """The prompt's tokens, for a backend that reported none: its exact count when it
+        has one, else its tokenizer's count of the prompt's text."""
+        try:
+            count = getattr(self.backend, "count_tokens", None)
+            if callable(count):
+                return int(count(request))
+            text = request.prompt
+            if text is None:
+                text = "\n".join(m.content for m in request.messages)
+            return len(self.backend.tokenize(text))
+        except Exception:  # a count is a courtesy: the reply is served either way
+            log.warning("prompt_count_failed", id=request.id, exc_info=True)
+            return 0
+
     def _skip(self, stream: RequestStream) -> None:
         """End a job cancelled before it started."""
-        stream.finish = Finish("cancelled")
+        stream.finish = Finish("cancelled", Usage())
         if not self._accepting:
             stream.emit(ErrorEvent("the server is shutting down", 503, "overloaded_error"))
         stream._close()
@@ -365,8 +396,9 @@ class Engine:
             self._skip(stream)
             return
         stream.timing.started = time.perf_counter()
+        sink = self._sink(stream)
         try:
-            finish = self.backend.generate(stream.request, stream)
+            finish = sink.close(self.backend.generate(stream.request, sink))
         except Exception as exc:  # never let one request take the worker down
             finish = self._failed(stream, exc)
         self._end(stream, finish)
@@ -379,7 +411,7 @@ class Engine:
         else:
             log.exception("generate_failed", id=stream.request.id)
             stream.emit(ErrorEvent(f"generation failed: {exc}", 500, "server_error"))
-        return Finish("error")
+        return Finish("error", Usage())
 
     def _end(self, stream: RequestStream, finish: Finish) -> None:
         """Send a job's finish, close its stream and log it."""

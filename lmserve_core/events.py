@@ -65,10 +65,15 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Finish:
-    """The last event of a successful generation."""
+    """How a generation ended: what ``generate`` returns, and the last event of a stream.
+
+    ``usage`` may be left out (None): the engine then counts it (the prompt's tokens as the
+    backend's ``validate`` set them in ``request.prompt_tokens``, or as its tokenizer counts
+    them; the reply's tokens as core counted them, see ``lmserve_core.contract``).
+    """
 
     reason: FinishReason
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage | None = None
     stop_sequence: str | None = None  # the stop string that fired, if any
 
 

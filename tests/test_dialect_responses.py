@@ -502,8 +502,12 @@ def test_namespace_tools_are_offered_and_called_by_namespace(server: Any) -> Non
             "name": "agents",
             "description": "Sub-agents.",
             "tools": [
-                {"type": "function", "name": "spawn_agent", "description": "Spawn one.",
-                 "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}},
+                {
+                    "type": "function",
+                    "name": "spawn_agent",
+                    "description": "Spawn one.",
+                    "parameters": {"type": "object", "properties": {"message": {"type": "string"}}},
+                },
                 {"type": "web_search"},
             ],
         }
@@ -518,7 +522,9 @@ def test_namespace_tools_are_offered_and_called_by_namespace(server: Any) -> Non
     args_done = [p for p in payloads if p["type"] == "response.function_call_arguments.done"]
     assert args_done[0]["name"] == "spawn_agent"
     # the backend saw the flat name among the tools
-    text = "".join(p.get("delta", "") for p in payloads if p["type"] == "response.output_text.delta")
+    text = "".join(
+        p.get("delta", "") for p in payloads if p["type"] == "response.output_text.delta"
+    )
     assert "agents.spawn_agent" in text
     # and a replayed call with its namespace maps back to the flat name
     body["input"] += [
@@ -527,7 +533,9 @@ def test_namespace_tools_are_offered_and_called_by_namespace(server: Any) -> Non
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "#echo"}]},
     ]
     payloads = decoded(raw_events(server.base_url, body))
-    text = "".join(p.get("delta", "") for p in payloads if p["type"] == "response.output_text.delta")
+    text = "".join(
+        p.get("delta", "") for p in payloads if p["type"] == "response.output_text.delta"
+    )
     received = json.loads(text)
     assert ["agents.spawn_agent"] in [m["tool_calls"] for m in received["messages"]]
     assert payloads[-1]["type"] == "response.completed"
@@ -813,4 +821,121 @@ def test_replayed_reasoning_reaches_backend(openai_client: openai.OpenAI) -> Non
         ],
     )
     messages = json.loads(resp.output_text)["messages"]
-    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "mulling", "tool_calls": []}
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "a",
+        "reasoning": "mulling",
+        "tool_calls": [],
+    }
+
+
+# -- typed items and tools: what does not fit is a 400 naming the field -------------------
+
+
+@pytest.mark.parametrize(
+    ("items", "param"),
+    [
+        ([{"type": "computer_call", "id": "x"}], "input[0].type"),
+        ([{"type": "function_call", "call_id": 5, "name": "f"}], "input[0].call_id"),
+        ([{"type": "function_call", "call_id": "c", "name": ""}], "input[0].name"),
+        ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+        ([{"role": "user", "content": [{"text": "no type"}]}], "input[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_text"}]}], "input[0].content[0].text"),
+        (
+            [{"role": "user", "content": [{"type": "spoken", "text": "x"}]}],
+            "input[0].content[0].type",
+        ),
+        ([{"role": "robot", "content": "x"}], "input[0].role"),
+    ],
+)
+def test_an_item_that_does_not_fit_is_a_400_naming_it(items: list[Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        translated({"input": items})
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert param.split(".")[0] in err.value.message
+
+
+def test_typed_items_keep_their_turns() -> None:
+    req = translated(
+        {
+            "instructions": "be brief",
+            "input": [
+                {"role": "developer", "content": [{"type": "input_text", "text": "rules"}, "more"]},
+                {"type": "message", "role": "user", "content": "q"},
+                {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"a": 1}},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [{"type": "output_text", "text": "r"}, {"type": "refusal"}],
+                },
+            ],
+        }
+    )
+    assert [(m.role, m.content) for m in req.messages] == [
+        ("system", "be brief"),
+        ("system", "rules\nmore"),
+        ("user", "q"),
+        ("assistant", ""),
+        ("tool", "r\n"),
+    ]
+    call = req.messages[3].tool_calls[0]
+    assert (call.name, json.loads(call.arguments), req.messages[3].reasoning) == (
+        "f",
+        {"a": 1},
+        "hm",
+    )
+    assert req.messages[4].name == "f"
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        ([{"type": "function", "name": "f", "parameters": "{}"}], None, "tools[0].parameters"),
+        ([{"type": "function"}], None, "tools[0].name"),
+        ([{"type": "namespace", "tools": []}], None, "tools[0].name"),
+        (
+            [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}, {"name": 3}]}],
+            None,
+            "tools[0].tools[1].name",
+        ),
+        (
+            [WEATHER_TOOL],
+            {"type": "allowed_tools", "tools": ["get_weather"]},
+            "tool_choice.tools[0]",
+        ),
+        ([WEATHER_TOOL], {"type": "function", "name": 7}, "tool_choice.name"),
+    ],
+)
+def test_a_tool_that_does_not_fit_is_a_400_naming_it(
+    tools: list[Any], choice: Any, param: str
+) -> None:
+    body: dict[str, Any] = {"tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    with pytest.raises(InvalidRequest) as err:
+        translated(body)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_namespaced_and_hosted_tools_are_typed() -> None:
+    req = translated(
+        {
+            "tools": [
+                {"type": "web_search"},
+                {
+                    "type": "namespace",
+                    "name": "agents",
+                    "tools": [{"name": "spawn", "strict": True}, {"type": "web_search"}],
+                },
+                WEATHER_TOOL,
+            ],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "agents.spawn"}],
+            },
+        }
+    )
+    assert [(t.name, t.strict) for t in req.tools] == [("agents.spawn", True)]
+    assert req.tool_choice.mode is ToolChoiceMode.NAMED

@@ -109,9 +109,10 @@ def partial_input(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
+def usage_body(usage: Usage | None) -> dict[str, int]:
     """Anthropic counts input tokens EXCLUDING cache reads:
     total input = input_tokens + cache_read_input_tokens + cache_creation_input_tokens."""
+    usage = usage or Usage()
     cached = min(usage.cached_tokens, usage.prompt_tokens)
     return {
         "input_tokens": usage.prompt_tokens - cached,

@@ -81,12 +81,12 @@ def _tool_call_json(call: ToolCall) -> dict[str, Any]:
 
 def total_usage(finishes: list[Finish]) -> Usage:
     """A request's usage over its choices: the prompt once, every choice's completion."""
-    first = finishes[0].usage
+    usages = [f.usage or Usage() for f in finishes]
     return Usage(
-        prompt_tokens=first.prompt_tokens,
-        completion_tokens=sum(f.usage.completion_tokens for f in finishes),
-        cached_tokens=first.cached_tokens,
-        reasoning_tokens=sum(f.usage.reasoning_tokens for f in finishes),
+        prompt_tokens=usages[0].prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=usages[0].cached_tokens,
+        reasoning_tokens=sum(u.reasoning_tokens for u in usages),
     )
 
 

@@ -43,12 +43,28 @@ from .common import (
     sse_response,
 )
 from .responses_encoder import ResponseMeta, ResponsesStreamEncoder, encode_response
-from .responses_models import ResponsesRequest
+from .responses_models import (
+    TEXT_PARTS,
+    AllowedToolsChoice,
+    Content,
+    DeclaredTool,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionTool,
+    InputItem,
+    MessageItem,
+    NamespaceTool,
+    ReasoningItem,
+    RefusalPart,
+    ResponsesRequest,
+    input_items,
+    tool_choice_of,
+    tools_of,
+)
 
 log = structlog.get_logger("lmserve.responses")
 
-TEXT_PARTS = {"input_text", "output_text", "text"}
-UNSUPPORTED_PARTS = {"input_image", "input_file", "input_audio", "image_url", "file"}
 ROLES: dict[str, Role] = {
     "user": "user",
     "assistant": "assistant",
@@ -124,68 +140,60 @@ def _sampling(body: ResponsesRequest) -> Sampling:
 # -- input items ---------------------------------------------------------------------------
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts_text(content: Content, where: str) -> str:
     """The text of a string or a list of text content parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"'{where}' must be a string or a list of parts", param=where)
     texts: list[str] = []
     for j, part in enumerate(content):
-        at = f"{where}[{j}]"
         if isinstance(part, str):
             texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise InvalidRequest(f"'{at}' must be an object", param=at)
-        kind = part.get("type")
-        if kind in TEXT_PARTS:
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise InvalidRequest(f"'{at}.text' must be a string", param=f"{at}.text")
-            texts.append(text)
-        elif kind == "refusal":
-            texts.append(str(part.get("refusal") or ""))
-        elif kind in UNSUPPORTED_PARTS:
-            raise reject(f"{at}", f"is an '{kind}' part; only text content is supported")
+        elif isinstance(part, TEXT_PARTS):
+            texts.append(part.text)
+        elif isinstance(part, RefusalPart):
+            texts.append(part.refusal or "")
         else:
-            raise InvalidRequest(f"'{at}' has unknown content part type {kind!r}", param=at)
+            kind = type(part).__struct_config__.tag
+            raise reject(f"{where}[{j}]", f"is an '{kind}' part; only text content is supported")
     return "\n".join(texts)
 
 
-def _messages(body: ResponsesRequest) -> list[Message]:
-    messages: list[Message] = []
-    if body.instructions:
-        messages.append(Message("system", body.instructions))
+def _items(body: ResponsesRequest) -> str | list[InputItem]:
+    """The request's ``input``: a string, or its typed items."""
     if body.input is None:
         raise InvalidRequest("'input' is required", param="input")
     if not body.input:
         raise InvalidRequest("'input' must not be empty", param="input")
-    if isinstance(body.input, str):
-        messages.append(Message("user", body.input))
+    return body.input if isinstance(body.input, str) else input_items(body.input)
+
+
+def _messages(instructions: str | None, items: str | list[InputItem]) -> list[Message]:
+    messages: list[Message] = []
+    if instructions:
+        messages.append(Message("system", instructions))
+    if isinstance(items, str):
+        messages.append(Message("user", items))
         return messages
     call_names: dict[str, str] = {}
     # A replayed reasoning item opens the assistant turn whose message and calls follow it.
     reasoning: str | None = None
-    for i, item in enumerate(body.input):
+    for i, item in enumerate(items):
         where = f"input[{i}]"
-        kind = item.get("type") or "message"
-        if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
+        if isinstance(item, MessageItem):
+            if item.role not in ROLES:
                 raise InvalidRequest(
                     f"'{where}.role' must be one of user, assistant, system, developer",
                     param=f"{where}.role",
                 )
-            text = _parts_text(item.get("content"), f"{where}.content")
-            if ROLES[role] == "assistant":
-                messages.append(Message("assistant", text, reasoning=reasoning))
-            else:
-                messages.append(Message(ROLES[role], text))
+            role = ROLES[item.role]
+            text = _parts_text(item.content, f"{where}.content")
+            messages.append(
+                Message(role, text, reasoning=reasoning if role == "assistant" else None)
+            )
             reasoning = None
-        elif kind == "function_call":
+        elif isinstance(item, FunctionCallItem):
             call = _function_call(item, where)
             call_names[call.id] = call.name
             last = messages[-1] if messages else None
@@ -195,70 +203,53 @@ def _messages(body: ResponsesRequest) -> list[Message]:
             else:
                 messages.append(Message("assistant", "", reasoning=reasoning, tool_calls=[call]))
             reasoning = None
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id:
+        elif isinstance(item, FunctionCallOutputItem):
+            if not item.call_id:
                 raise InvalidRequest(f"'{where}.call_id' is required", param=f"{where}.call_id")
-            output = item.get("output")
-            text = output if isinstance(output, str) else _parts_text(output, f"{where}.output")
+            text = _parts_text(item.output, f"{where}.output")
             messages.append(
-                Message("tool", text, tool_call_id=call_id, name=call_names.get(call_id))
+                Message("tool", text, tool_call_id=item.call_id, name=call_names.get(item.call_id))
             )
             reasoning = None
-        elif kind == "reasoning":
+        elif isinstance(item, ReasoningItem):
             # the family's chat template decides whether an earlier turn's reasoning is
             # rendered; encrypted_content and summaries carry nothing it could use
-            text = _reasoning_text(item.get("content"))
+            text = "\n".join(
+                part.text
+                for part in item.content or []
+                if part.type == "reasoning_text" and part.text is not None
+            )
             if text:
                 reasoning = text if reasoning is None else reasoning + "\n\n" + text
-        elif kind == "item_reference":
+        else:  # an item_reference
             raise reject(
                 where, "is an item_reference; the server stores no items, send the item itself"
-            )
-        else:
-            raise InvalidRequest(
-                f"'{where}' has unsupported item type {kind!r}", param=f"{where}.type"
             )
     return messages
 
 
-def _reasoning_text(content: Any) -> str:
-    """The text of a reasoning item's ``reasoning_text`` parts."""
-    if not isinstance(content, list):
-        return ""
-    return "\n".join(
-        part["text"]
-        for part in content
-        if isinstance(part, dict)
-        and part.get("type") == "reasoning_text"
-        and isinstance(part.get("text"), str)
-    )
-
-
-def _check_system_role(body: ResponsesRequest, caps: Capabilities) -> None:
-    if body.instructions:
+def _check_system_role(
+    instructions: str | None, items: str | list[InputItem], caps: Capabilities
+) -> None:
+    if instructions:
         policy.check_system_role("instructions", caps)
-    for i, item in enumerate(body.input if isinstance(body.input, list) else []):
-        if (item.get("type") or "message") == "message" and item.get("role") in (
-            "system",
-            "developer",
-        ):
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if isinstance(item, MessageItem) and item.role in ("system", "developer"):
             policy.check_system_role(f"input[{i}].role", caps)
 
 
-def _function_call(item: dict[str, Any], where: str) -> ToolCall:
-    call_id, name = item.get("call_id"), item.get("name")
-    if not isinstance(call_id, str) or not call_id:
+def _function_call(item: FunctionCallItem, where: str) -> ToolCall:
+    if not item.call_id:
         raise InvalidRequest(f"'{where}.call_id' is required", param=f"{where}.call_id")
-    if not isinstance(name, str) or not name:
+    if not item.name:
         raise InvalidRequest(f"'{where}.name' is required", param=f"{where}.name")
-    namespace = item.get("namespace")
-    if isinstance(namespace, str) and namespace:
-        name = f"{namespace}{NAMESPACE_SEP}{name}"  # the flat name the model saw
-    arguments = item.get("arguments", "{}")
+    name = item.name
+    if item.namespace:
+        name = f"{item.namespace}{NAMESPACE_SEP}{name}"  # the flat name the model saw
+    arguments = item.arguments
     if not isinstance(arguments, str):
         arguments = json_text(arguments)
-    return ToolCall(id=call_id, name=name, arguments=arguments)
+    return ToolCall(id=item.call_id, name=name, arguments=arguments)
 
 
 # -- tools ---------------------------------------------------------------------------------
@@ -267,44 +258,32 @@ def _function_call(item: dict[str, Any], where: str) -> ToolCall:
 NAMESPACE_SEP = "."  # a namespaced tool's flat name: "<namespace>.<name>"
 
 
-def _function_tool(spec: dict[str, Any], where: str, namespace: str | None = None) -> Tool:
-    name = spec.get("name")
-    if not isinstance(name, str) or not name:
+def _function_tool(spec: FunctionTool, where: str, namespace: str | None = None) -> Tool:
+    if not spec.name:
         raise InvalidRequest(f"'{where}.name' is required", param=f"{where}.name")
-    params = spec.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise InvalidRequest(
-            f"'{where}.parameters' must be a JSON schema object", param=f"{where}.parameters"
-        )
     return Tool(
-        name=f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name,
-        description=str(spec.get("description") or ""),
-        parameters=params or {"type": "object", "properties": {}},
-        strict=bool(spec.get("strict")),
+        name=f"{namespace}{NAMESPACE_SEP}{spec.name}" if namespace else spec.name,
+        description=spec.description or "",
+        parameters=spec.parameters or {"type": "object", "properties": {}},
+        strict=bool(spec.strict),
     )
 
 
-def _function_tools(body: ResponsesRequest) -> list[Tool]:
+def _function_tools(declared: list[DeclaredTool]) -> list[Tool]:
     tools: list[Tool] = []
     hosted: list[str] = []
-    for i, spec in enumerate(body.tools or []):
-        kind = spec.get("type")
-        if kind == "function":
+    for i, spec in enumerate(declared):
+        if isinstance(spec, FunctionTool):
             tools.append(_function_tool(spec, f"tools[{i}]"))
-        elif kind == "namespace":
+        elif isinstance(spec, NamespaceTool):
             # A group of function tools the client runs (Codex CLI's sub-agent tools): the
             # model sees them under flat names; calls come back with name and namespace apart.
-            namespace = spec.get("name")
-            if not isinstance(namespace, str) or not namespace:
+            if not spec.name:
                 raise InvalidRequest(f"'tools[{i}].name' is required", param=f"tools[{i}].name")
-            for j, child in enumerate(spec.get("tools") or []):
-                kind = child.get("type", "function") if isinstance(child, dict) else None
-                if kind == "function":
-                    tools.append(_function_tool(child, f"tools[{i}].tools[{j}]", namespace))
-                else:
-                    hosted.append(f"{namespace}/{kind}")
+            for j, child in enumerate(spec.tools):
+                tools.append(_function_tool(child, f"tools[{i}].tools[{j}]", spec.name))
         else:
-            hosted.append(str(kind))
+            hosted.append(str(spec.type))
     if hosted:
         # agents such as Codex CLI always declare hosted tools; serving without them keeps
         # those agents usable, and the model only sees the function tools
@@ -312,22 +291,21 @@ def _function_tools(body: ResponsesRequest) -> list[Tool]:
     return tools
 
 
-def namespaces(body: ResponsesRequest) -> dict[str, tuple[str, str]]:
+def namespaces(declared: list[DeclaredTool]) -> dict[str, tuple[str, str]]:
     """Flat name -> (namespace, name) of the request's namespaced function tools."""
-    out: dict[str, tuple[str, str]] = {}
-    for spec in body.tools or []:
-        namespace = spec.get("name")
-        if spec.get("type") != "namespace" or not isinstance(namespace, str):
-            continue
-        for child in spec.get("tools") or []:
-            if isinstance(child, dict) and child.get("type", "function") == "function":
-                out[f"{namespace}{NAMESPACE_SEP}{child.get('name')}"] = (namespace, child["name"])
-    return out
+    return {
+        f"{spec.name}{NAMESPACE_SEP}{child.name}": (spec.name, str(child.name))
+        for spec in declared
+        if isinstance(spec, NamespaceTool)
+        for child in spec.tools
+    }
 
 
 def _tool_choice(body: ResponsesRequest, tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
-    choice = body.tool_choice
-    if choice is None or choice == "auto":
+    if body.tool_choice is None:
+        return ToolChoice(), tools
+    choice = tool_choice_of(body.tool_choice)
+    if choice == "auto":
         return ToolChoice(), tools
     if choice == "none":
         return ToolChoice(ToolChoiceMode.NONE), tools
@@ -337,33 +315,31 @@ def _tool_choice(body: ResponsesRequest, tools: list[Tool]) -> tuple[ToolChoice,
         raise InvalidRequest(
             "'tool_choice' must be auto, none, required or a function", param="tool_choice"
         )
-    kind = choice.get("type")
-    if kind == "function":
-        name = policy.declared_tool(str(choice.get("name")), tools, "tool_choice").name
+    if isinstance(choice, FunctionChoice):
+        name = policy.declared_tool(str(choice.name), tools, "tool_choice").name
         return ToolChoice(ToolChoiceMode.NAMED, name), tools
-    if kind == "allowed_tools":
+    if isinstance(choice, AllowedToolsChoice):
         return _allowed_tools(choice, tools)
     raise reject(
-        "tool_choice", f"forces the hosted tool type {kind!r}, which this server cannot run"
+        "tool_choice", f"forces the hosted tool type {choice.type!r}, which this server cannot run"
     )
 
 
-def _allowed_tools(choice: dict[str, Any], tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
+def _allowed_tools(choice: AllowedToolsChoice, tools: list[Tool]) -> tuple[ToolChoice, list[Tool]]:
     allowed: list[str] = []
-    for entry in choice.get("tools") or []:
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            kind = entry.get("type") if isinstance(entry, dict) else entry
+    for entry in choice.tools:
+        if entry.type != "function":
             raise reject(
-                "tool_choice", f"allows the hosted tool type {kind!r}, which this server cannot run"
+                "tool_choice",
+                f"allows the hosted tool type {entry.type!r}, which this server cannot run",
             )
-        allowed.append(str(entry.get("name")))
+        allowed.append(str(entry.name))
     kept = [policy.declared_tool(name, tools, "tool_choice") for name in dict.fromkeys(allowed)]
-    mode = choice.get("mode", "auto")
-    if mode == "required":
+    if choice.mode == "required":
         if len(kept) == 1:
             return ToolChoice(ToolChoiceMode.NAMED, kept[0].name), kept
         return ToolChoice(ToolChoiceMode.REQUIRED), kept
-    if mode != "auto":
+    if choice.mode != "auto":
         raise InvalidRequest("tool_choice mode must be auto or required", param="tool_choice")
     return ToolChoice(), kept
 
@@ -412,7 +388,9 @@ def _reasoning(body: ResponsesRequest) -> policy.ReasoningAsk:
 # -- translation ---------------------------------------------------------------------------
 
 
-def _echo(body: ResponsesRequest, tools: list[Tool], max_tokens: int) -> dict[str, Any]:
+def _echo(
+    body: ResponsesRequest, tools: list[Tool], grouped: dict[str, tuple[str, str]], max_tokens: int
+) -> dict[str, Any]:
     """The request fields the SDK's ``Response`` type expects back."""
     text: dict[str, Any] = {"format": {"type": "text"}}
     if body.text is not None and body.text.format is not None:
@@ -433,7 +411,6 @@ def _echo(body: ResponsesRequest, tools: list[Tool], max_tokens: int) -> dict[st
     reasoning = None
     if body.reasoning is not None:
         reasoning = {"effort": body.reasoning.effort, "summary": body.reasoning.summary}
-    grouped = namespaces(body)
     return {
         "instructions": body.instructions,
         "max_output_tokens": max_tokens,
@@ -469,9 +446,11 @@ def translate(body: ResponsesRequest, server: Server) -> Translated:
     caps = server.backend.capabilities
     _check_rejected(body)
     sampling = _sampling(body)
-    messages = _messages(body)
-    _check_system_role(body, caps)
-    choice, tools = _tool_choice(body, _function_tools(body))
+    items = _items(body)
+    messages = _messages(body.instructions, items)
+    _check_system_role(body.instructions, items, caps)
+    declared = tools_of(body.tools)
+    choice, tools = _tool_choice(body, _function_tools(declared))
     decision = policy.decide(
         caps,
         tools=policy.ToolAsk(tools, choice, parallel=body.parallel_tool_calls is not False),
@@ -499,11 +478,12 @@ def translate(body: ResponsesRequest, server: Server) -> Translated:
     )
     decision.apply(normalized)
     # the echo is the request's function tools, whatever this backend makes of them
+    grouped = namespaces(declared)
     meta = ResponseMeta(
         id=response_id,
         model=server.model_id,
-        echo=_echo(body, tools, max_tokens),
-        namespaces=namespaces(body),
+        echo=_echo(body, tools, grouped, max_tokens),
+        namespaces=grouped,
     )
     return Translated(normalized, meta)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -166,7 +166,8 @@ class NanochatModel(NativeForwardModel, native=_forward, config=NanochatModelCon
         ids, pos = self._check_call(cache, tokens, pos)
         with self._calls:
             self._previous([(cache, pos)])
-            logits = super().forward(cache, ids, pos, all_logits=all_logits)
+            # the checked ids, an array: the base reads any sequence of ids
+            logits = super().forward(cache, cast(Sequence[int], ids), pos, all_logits=all_logits)
             cache.tokens[pos : pos + ids.size] = ids
         return logits
 

@@ -197,8 +197,9 @@ class Calculator:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        ids = [tokenizer.token_id(t) for t in TOOL_MARKERS]
-        self.ids = None if None in ids else ids
+        found = [tokenizer.token_id(t) for t in TOOL_MARKERS]
+        ids = [i for i in found if i is not None]
+        self.ids = ids if len(ids) == len(found) else None
 
     def __call__(self, tokens: Sequence[int]) -> list[int]:
         if self.ids is None or not tokens:

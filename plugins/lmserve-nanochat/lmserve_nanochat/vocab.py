@@ -373,7 +373,7 @@ def read_tokenizer_json(path: str | Path) -> Vocab:
         raise CheckpointError(f"{path}: model.vocab or model.merges is missing")
     patterns = _patterns(doc.get("pre_tokenizer"))
     _check_pattern(path, patterns[0] if len(patterns) == 1 else None)
-    specials: dict[str, int] = {}
+    specials: dict[str, Any] = {}  # their ids are checked below
     for added in doc.get("added_tokens") or []:
         if isinstance(added, dict) and isinstance(added.get("content"), str):
             specials[added["content"]] = added.get("id")
