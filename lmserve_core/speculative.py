@@ -14,6 +14,11 @@ model: strong when the reply quotes the prompt, as code edits, extraction and to
 do); :class:`DraftModel` runs a smaller GGUF of the same vocabulary greedily. Under a grammar
 (a JSON schema, a forced tool call), the tokens the grammar forces next are drafted before
 either: the keys and punctuation of a schema cost verify rows, not decode steps.
+
+:class:`Speculation` is the chat path's part that does it: the scheduler hands it each step
+of a generation decoding alone; it asks the drafter, verifies the drafts in one pass and
+keeps what sampling accepts, rewinding a state that cannot be cut back. :class:`VerifyCost`
+and :class:`Pace` decide how many drafts a pass is worth.
 """
 
 from __future__ import annotations
@@ -23,11 +28,21 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import structlog
 
+from .gguf_file import GGUFFile
 from .model import ForwardModel, KVCache
+from .settings import ServerSettings
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .chat_schedule import Generation
+    from .gguf_chat import GGUFChatBackend
+
+log = structlog.get_logger("lmserve.gguf_chat")
 
 # Most drafts verified in one pass: with the sampled token, 7 rows. A pass must stay within
 # kernels.DECODE_MAX_ROWS (15) to keep the verification on decode's kernels, so that its
@@ -144,7 +159,8 @@ class VerifyCost:
         ratios = self._ratios
         self.measured = (
             self._clamp(statistics.median(r for _, r in ratios))
-            if len(ratios) >= self.MIN_PASSES else None
+            if len(ratios) >= self.MIN_PASSES
+            else None
         )
 
     def calibrate(self, model: ForwardModel, seconds: float = 0.5) -> float:
@@ -214,7 +230,8 @@ class Acceptance:
         prior = (Pace.PRIOR * Pace.PRIOR_WEIGHT, Pace.PRIOR_WEIGHT)
         hits, trials = self._kinds.get(evidence, prior)
         self._kinds[evidence] = (
-            self.DECAY * hits + accepted, self.DECAY * trials + accepted + missed
+            self.DECAY * hits + accepted,
+            self.DECAY * trials + accepted + missed,
         )
 
 
@@ -310,8 +327,9 @@ class Pace:
         return 0
 
     @classmethod
-    def best(cls, a: float, most: int, row: float | None = None, margin: float | None = None
-             ) -> int:
+    def best(
+        cls, a: float, most: int, row: float | None = None, margin: float | None = None
+    ) -> int:
         """The number of drafts that yields most tokens per cost at acceptance ``a``, a
         verify row costing ``row`` decode steps (default ``VERIFY_ROW_COST``); 0 unless it
         beats plain decoding by ``margin`` (default ``MARGIN``)."""
@@ -484,3 +502,140 @@ class _ModelDrafter:
             close()
         self._cache = None
         self._rows = []
+
+
+class Speculation:
+    """A backend's speculative decoding: each step of a generation decoding alone writes its
+    sampled token with drafts after it, and keeps as many as sampling accepts. It reads the
+    backend's ``drafts``, ``verify_cost`` and model, and the scheduler's ``advance`` and
+    ``write_one``."""
+
+    def __init__(self, chat: GGUFChatBackend) -> None:
+        self.chat = chat
+
+    def calibrate(self) -> None:
+        """Measure what a verify row costs on this machine (``VerifyCost.calibrate``);
+        without it, the generations' own passes tell."""
+        chat = self.chat
+        started = time.perf_counter()
+        try:
+            row = chat.verify_cost.calibrate(chat.model)
+        except Exception:  # a model that cannot run the calibration still speculates
+            log.exception("spec_calibration_failed", model=chat.model_id)
+            return
+        log.info(
+            "spec_calibration",
+            model=chat.model_id,
+            row_cost=round(row, 3),
+            seconds=round(time.perf_counter() - started, 2),
+        )
+
+    def speculate(self, gen: Generation, tokens: list[int]) -> None:
+        """Write ``tokens`` (one sampled token) with drafts after it in one pass, and take
+        as many of the drafts as sampling from the rows written accepts."""
+        assert gen.pace is not None and gen.drafter is not None
+        chat = self.chat
+        slot = gen.kv
+        pace, drafter = gen.pace, gen.drafter
+        most = min(
+            gen.prepared.max_tokens - len(gen.generated),
+            chat.context_length - len(slot.tokens) - 1,
+            MAX_DRAFT,
+        )
+        drafts: list[int] = []
+        forced = self.grammar_drafts(gen, most)
+        if forced:
+            evidence: int | None = FORCED
+            drafts = forced[: pace.budget(len(forced), evidence)]
+        elif getattr(drafter, "free", False):
+            # propose first: how many to verify depends on how the proposal was found
+            if most > 0:
+                drafts = drafter.propose(gen.prepared.tokens + gen.generated, most)
+            evidence = getattr(drafter, "evidence", None)
+            if drafts:
+                drafts = drafts[: pace.budget(len(drafts), evidence)]
+        else:
+            evidence = None
+            k = pace.budget(most)
+            if k > 0:
+                drafts = drafter.propose(gen.prepared.tokens + gen.generated, k)[:k]
+        started = time.perf_counter()
+        if not drafts:
+            chat.scheduler.write_one(gen, tokens)
+            chat.verify_cost.observe(len(tokens), time.perf_counter() - started)
+            return
+        # a state that cannot be cut back is remembered, to return to if drafts are refused
+        rewind = not slot.cache.kind.truncate
+        if rewind:
+            slot.cache.mark()  # type: ignore[attr-defined]
+        rows = chat.model.forward(slot.cache, tokens + drafts, len(slot.tokens), all_logits=True)
+        chat.verify_cost.observe(len(tokens) + len(drafts), time.perf_counter() - started)
+        written = list(tokens)  # the rows that hold this sequence's tokens
+        accepted = 0
+        for i, draft in enumerate(drafts):
+            step = chat.scheduler.advance(gen, rows[i], draft)
+            if step is None:
+                break  # ended (the rows past the shadow are not part of it)
+            if step[0] != draft:
+                gen.todo = step  # a correction: its row is written next step
+                break
+            accepted += 1
+            written.append(draft)
+            if len(step) > 1:
+                gen.todo = step[1:]  # the tokens closing a think block follow it
+                break
+        else:
+            gen.logits = rows[len(drafts)]
+        pace.update(len(drafts), accepted, evidence)
+        if rewind and len(written) < len(tokens) + len(drafts):
+            # the state went past the rows kept: back to before the pass, then the kept rows
+            chat.model.forward(slot.cache, written, slot.cache.rewind())  # type: ignore[attr-defined]
+        slot.tokens.extend(written)
+
+    @staticmethod
+    def grammar_drafts(gen: Generation, most: int) -> list[int]:
+        """Up to ``most`` tokens that the request's grammar allows alone from here (the keys
+        and punctuation of a JSON schema): drafts that only the model's choosing another
+        tokenization of the same text can reject."""
+        matcher = gen.prepared.matcher
+        if matcher is None or most <= 0 or matcher.is_stopped():
+            return []
+        return [int(t) for t in matcher.compute_ff_tokens()[:most]]
+
+
+def draft_source(
+    settings: ServerSettings, context_length: int, tokenizer: Tokenizer, model_id: str
+) -> DraftSource | None:
+    """Speculative decoding's drafts: a draft model (``spec_draft``, a GGUF path), the
+    conversation itself (``spec``), or none."""
+    path = settings.speculation.draft
+    if not path:
+        return PromptLookup() if settings.speculation.prompt_lookup else None
+    from . import plugins
+
+    draft_gguf = GGUFFile.open(path)
+    spec = plugins.backend_for_architecture(draft_gguf.architecture)
+    draft_gguf.close()
+    if spec is None:
+        raise ValueError(f"no installed family serves the draft's {draft_gguf.architecture!r}")
+    draft_settings = ServerSettings(
+        ctx=context_length,
+        threads=settings.threads,
+        kv_slots=1,
+        kv_type=settings.kv_type,
+        batch=1,
+    )
+    draft = spec.factory(str(path), draft_settings)
+    model = getattr(draft, "model", None)
+    theirs = getattr(draft, "tokenizer", None)
+    n = tokenizer.vocab_size
+    if (
+        model is None
+        or theirs is None
+        or theirs.vocab_size != n
+        or any(theirs.token_bytes(i) != tokenizer.token_bytes(i) for i in range(n))
+    ):
+        draft.close()
+        raise ValueError(f"the draft model {path} does not share this model's vocabulary")
+    log.info("draft_model", path=str(path), backend=spec.name, model=model_id)
+    return DraftModel(model, context_length, owner=draft)

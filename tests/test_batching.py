@@ -31,7 +31,7 @@ from scripted import (  # noqa: F401  (the fixtures)
     run,
 )
 
-from lmserve_core import gguf_chat
+from lmserve_core import chat_schedule
 from lmserve_core.engine import Engine
 from lmserve_core.events import ErrorEvent, Finish, TextDelta
 from lmserve_core.gguf_chat import Generation, GGUFChatBackend
@@ -241,7 +241,7 @@ def test_a_long_prompt_is_read_in_slices_while_others_decode(
             time.sleep(1e-4 * len(tokens))  # 10k tokens/s
             return super().forward(cache, tokens, pos, all_logits=all_logits)
 
-    monkeypatch.setattr(gguf_chat, "PREFILL_SLICE_S", 0.01)  # about 100 tokens a step
+    monkeypatch.setattr(chat_schedule, "PREFILL_SLICE_S", 0.01)  # about 100 tokens a step
     backend = make_backend(gguf, model=SlowPrefill(49152), batch=2, slots=2)
     long = noisy(1500, max_tokens=4)
     requests = [noisy(3, max_tokens=60), long]

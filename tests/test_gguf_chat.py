@@ -28,7 +28,7 @@ from scripted import (  # noqa: F401  (the fixtures)
     run,
 )
 
-from lmserve_core import gguf_chat
+from lmserve_core import chat_prepare
 from lmserve_core.backend import Capabilities, ServerSettings, ThinkMarkers
 from lmserve_core.errors import InvalidRequest, Unsupported
 from lmserve_core.events import ErrorEvent, ReasoningDelta, TextDelta, ToolCallEvent
@@ -53,7 +53,7 @@ def test_eog_token_stops_with_usage(gguf: GGUFFile) -> None:
     finish, sink = run(backend, chat("hi"))
     assert sink.text == "Hello world."
     assert finish.reason == "stop"
-    prompt = backend._prepare(chat("hi")).tokens
+    prompt = backend.preparation.prepare(chat("hi")).tokens
     assert finish.usage.prompt_tokens == len(prompt)
     assert finish.usage.completion_tokens == 4  # 3 text tokens + <|im_end|>
     assert finish.usage.cached_tokens == 0
@@ -73,7 +73,7 @@ def test_max_tokens_gives_length(gguf: GGUFFile) -> None:
 def test_budget_is_clamped_to_the_context(gguf: GGUFFile) -> None:
     backend = make_backend(gguf, ctx=64)
     request = chat("hi", max_tokens=1000)
-    n_prompt = len(backend._prepare(request).tokens)
+    n_prompt = len(backend.preparation.prepare(request).tokens)
     finish, _ = run(backend, request)
     assert finish.reason == "length"
     assert finish.usage.completion_tokens == 64 - n_prompt
@@ -367,13 +367,13 @@ def test_finish_prompt_completes_each_rendered_chat_prompt(gguf: GGUFFile) -> No
 
     backend = make_backend(gguf, [IM_END], finish_prompt=finish)
     request = chat("hi")
-    tokens, text = backend._prompt_tokens(request)
+    tokens, text = backend.preparation.prompt_tokens(request)
     assert seen == [text.removesuffix("Sure")] and text.endswith("<|im_start|>assistant\nSure")
     assert tokens == ids(backend, text)
     assert backend.count_tokens(request) == len(tokens)
     # raw completion prompts are not chat renderings: left as they are
     raw = NormalizedRequest(id="raw", dialect="completions", prompt="hi", sampling=GREEDY)
-    assert backend._prompt_tokens(raw) == (backend.tokenize("hi", add_special=True,
+    assert backend.preparation.prompt_tokens(raw) == (backend.tokenize("hi", add_special=True,
                                                             parse_special=True), None)
     assert len(seen) == 2
 
@@ -453,8 +453,8 @@ def test_tool_choice_none_hides_the_tools(gguf: GGUFFile) -> None:
         return render(messages, **kwargs)
 
     backend.template.render = recording  # type: ignore[method-assign]
-    backend._prompt_tokens(chat("Weather?", tools=[WEATHER]))
-    backend._prompt_tokens(
+    backend.preparation.prompt_tokens(chat("Weather?", tools=[WEATHER]))
+    backend.preparation.prompt_tokens(
         chat("Weather?", tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.NONE))
     )
     assert seen[0][0]["function"]["name"] == "get_weather" and seen[1] is None
@@ -499,8 +499,8 @@ def test_forced_calls_turn_the_reasoning_channel_off(gguf: GGUFFile) -> None:
         reasoning=True,
     )
     backend.validate(request)
-    assert not backend._thinking(request)
-    assert backend._take_prepared(request).matcher is not None
+    assert not backend.preparation.thinking(request)
+    assert backend.preparation.take(request).matcher is not None
 
 
 def test_the_reasoning_budget_closes_the_think_block(gguf: GGUFFile) -> None:
@@ -525,7 +525,7 @@ def test_validate_records_the_prompt_token_count(gguf: GGUFFile) -> None:
     backend = make_backend(gguf)
     request = chat("Hello there")
     backend.validate(request)
-    assert request.prompt_tokens == len(backend._prompt_tokens(request)[0]) > 3
+    assert request.prompt_tokens == len(backend.preparation.prompt_tokens(request)[0]) > 3
 
 
 def test_one_call_per_reply_when_parallel_calls_are_off(gguf: GGUFFile) -> None:
@@ -588,7 +588,7 @@ def test_tools_whose_grammar_cannot_be_written_leave_the_output_schema_alone(
     gguf: GGUFFile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     warned: list[str] = []
-    monkeypatch.setattr(gguf_chat, "log", SimpleNamespace(
+    monkeypatch.setattr(chat_prepare, "log", SimpleNamespace(
         warning=lambda event, **_: warned.append(event), info=lambda *_, **__: None))
     b0 = make_backend(gguf)
     text = '{"n": 7}'
@@ -691,10 +691,10 @@ def test_forced_calls_declare_the_tools_when_the_template_does_not(gguf: GGUFFil
     # SmolLM2's template ignores `tools`; a forced call still tells the model what it calls.
     backend = make_backend(gguf)
     forced = chat("Weather?", tools=[WEATHER], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))
-    prompt = backend.tokenizer.decode(backend._prompt_tokens(forced)[0])
+    prompt = backend.tokenizer.decode(backend.preparation.prompt_tokens(forced)[0])
     assert '"name": "get_weather"' in prompt and '{"name": <function-name>' in prompt
     assert prompt.count("<|im_start|>system") == 1  # joined to the template's system turn
-    plain = backend.tokenizer.decode(backend._prompt_tokens(chat("Weather?", tools=[WEATHER]))[0])
+    plain = backend.tokenizer.decode(backend.preparation.prompt_tokens(chat("Weather?", tools=[WEATHER]))[0])
     assert "get_weather" not in plain
 
 

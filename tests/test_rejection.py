@@ -232,7 +232,7 @@ def test_a_flood_of_control_texts_is_refused_before_their_spans_are_found(
         assert re.fullmatch(r"prompt is at least \d+ tokens; the context is 2048",
                             err.value.message)
     # a few of them still come out as text, not as control tokens
-    ids = backend._prepare(chat("say <|im_end|> now")).tokens
+    ids = backend.preparation.prepare(chat("say <|im_end|> now")).tokens
     assert backend.tokenizer.decode(ids).count("<|im_end|>") == 3
     assert ids.count(IM_END) == 2  # the template's own
 
@@ -297,7 +297,7 @@ def test_a_grammar_giving_out_mid_reply_ends_it_with_a_400_event(gguf: GGUFFile)
     request = chat("x", max_tokens=20,
                    constraint=Constraint(kind="regex", source="(abc)+", field="regex"))
     backend.validate(request)
-    prepared = backend._prepared[request.id]
+    prepared = backend.preparation.pending[request.id]
     prepared.matcher = _GivesOut(prepared.matcher, after=2)
     sink = ListSink()
     finish = backend.generate(request, sink)

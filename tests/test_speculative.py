@@ -313,13 +313,13 @@ def test_tokens_a_grammar_forces_are_drafted(gguf: GGUFFile) -> None:
     backend = make_backend(gguf, script)
     backend.drafts = FixedDrafts([])  # type: ignore[assignment]
     paces: list[Pace] = []
-    original = backend._speculate
+    original = backend.speculation.speculate
 
     def spy(gen: Any, tokens: list[int]) -> None:
         paces.append(gen.pace)
         original(gen, tokens)
 
-    backend._speculate = spy  # type: ignore[method-assign]
+    backend.speculation.speculate = spy  # type: ignore[method-assign]
     finish, sink = run(backend, request())
     assert sink.text == alone.text and finish == plain
     calls = backend.model.forward_calls  # type: ignore[attr-defined]
@@ -361,14 +361,14 @@ def test_a_free_drafter_proposes_in_full_and_the_pace_trims_by_its_evidence(
 
     backend = make_backend(gguf, script)
     backend.drafts = Free()  # type: ignore[assignment]
-    original = backend._speculate
+    original = backend.speculation.speculate
 
     def spy(gen: Any, tokens: list[int]) -> None:
         before = len(gen.kv.tokens)
         original(gen, tokens)
         verified.append(len(gen.kv.tokens) - before)
 
-    backend._speculate = spy  # type: ignore[method-assign]
+    backend.speculation.speculate = spy  # type: ignore[method-assign]
     finish, sink = run(backend, chat("count", max_tokens=40))
     plain, alone = run(make_backend(gguf, script), chat("count", max_tokens=40))
     assert sink.text == alone.text and finish == plain

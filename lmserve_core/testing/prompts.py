@@ -48,10 +48,10 @@ def check_control_text_stays_text(backend: Any, marker: str, *, tools: bool = Tr
     assert tokenizer.control_texts_in(marker), "the marker must hold control-token text"
     for with_marker, without in injection_requests(marker, tools=tools):
         backend.validate(with_marker)
-        tokens = backend._prompt_tokens(with_marker)[0]
-        reference = backend._prompt_tokens(without)[0]
+        tokens = backend.preparation.prompt_tokens(with_marker)[0]
+        reference = backend.preparation.prompt_tokens(without)[0]
         specials = [t for t in tokens if tokenizer.is_special(t)]
         assert specials == [t for t in reference if tokenizer.is_special(t)], with_marker.id
-        rendered = backend._prompt_tokens(with_marker)[1]
+        rendered = backend.preparation.prompt_tokens(with_marker)[1]
         if rendered is not None and marker in rendered:
             assert marker.strip() in tokenizer.decode(tokens), with_marker.id

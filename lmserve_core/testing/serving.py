@@ -13,17 +13,18 @@ from typing import Any
 
 
 def record_prompts(backend: Any) -> list[tuple[str, list[int]]]:
-    """The list that the (text, tokens) of every prompt ``backend`` renders from now on are
-    appended to."""
+    """The list that the (text, tokens) of every prompt ``backend`` (a ``GGUFChatBackend``)
+    renders from now on are appended to."""
     prompts: list[tuple[str, list[int]]] = []
-    render = backend._prompt_tokens
+    preparation = backend.preparation
+    render = preparation.prompt_tokens
 
     def recording(request: Any, *args: Any, **kwargs: Any) -> tuple[list[int], str | None]:
         tokens, text = render(request, *args, **kwargs)
         prompts.append((text or "", list(tokens)))
         return tokens, text
 
-    backend._prompt_tokens = recording
+    preparation.prompt_tokens = recording
     return prompts
 
 

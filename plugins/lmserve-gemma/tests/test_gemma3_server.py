@@ -111,7 +111,7 @@ def test_template_and_stop_tokens() -> None:
                 Message(role="user", content="Hi"),
             ],
         )
-        ids = backend._prompt_tokens(request)[0]
+        ids = backend.preparation.prompt_tokens(request)[0]
         # the system text is folded into the first user turn, as Gemma's template does
         assert tok.decode(ids) == (
             "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"

@@ -30,7 +30,7 @@ class Steer:
         self.tokenizer = backend.tokenizer
         self.close_id = backend.tokenizer.token_id("</think>")
         self.reset()
-        forward, prefill = backend.model.forward, backend._prefill_some
+        forward, prefill = backend.model.forward, backend.scheduler.prefill_some
 
         def steered_prefill(gen: Any, shared: bool) -> None:
             if gen.slot is None:  # a new request starts reading its prompt
@@ -52,7 +52,7 @@ class Steer:
                 self.script, self.then, self._k = self.then, None, 0
             return self._bias(logits)
 
-        backend._prefill_some = steered_prefill
+        backend.scheduler.prefill_some = steered_prefill
         backend.model.forward = steered_forward
 
     def reset(self) -> None:

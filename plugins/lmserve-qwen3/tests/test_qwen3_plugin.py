@@ -74,11 +74,11 @@ def test_backend_renders_qwen3_template_and_stops_on_its_tokens(
         tok = backend.tokenizer
         stop_texts = {tok.token_text(i) for i in backend.stop_ids}
         assert {"<|im_end|>", "<|endoftext|>"} <= stop_texts
-        plain = tok.decode(backend._prompt_tokens(chat("Hi"))[0])
+        plain = tok.decode(backend.preparation.prompt_tokens(chat("Hi"))[0])
         assert plain.startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
         # Qwen3's template primes an empty think block when thinking is switched off
         assert plain.endswith("<think>\n\n</think>\n\n")
-        thinking = tok.decode(backend._prompt_tokens(chat("Hi", reasoning=True))[0])
+        thinking = tok.decode(backend.preparation.prompt_tokens(chat("Hi", reasoning=True))[0])
         assert thinking.endswith("<|im_start|>assistant\n")
         assert backend.model.kv_bytes_per_pos == 2 * 2 * 2 * 2 * 64  # f16, 2 layers, 2 kv heads
     finally:

@@ -107,7 +107,7 @@ class Steer(q3.Steer):
         self.xml = xml
         self.markers = [backend.tokenizer.token_id(m) for m in ("<tool_call>", "</tool_call>")]
         self.opener = self.ids("<think>\n")
-        prefill, n = backend._prefill_some, len(self.opener)
+        prefill, n = backend.scheduler.prefill_some, len(self.opener)
 
         def going_on(gen: Any, shared: bool) -> None:
             opened = gen.prepared.tokens[-n:] == self.opener
@@ -115,7 +115,7 @@ class Steer(q3.Steer):
                 self.script = self.script[n:]
             prefill(gen, shared)
 
-        backend._prefill_some = going_on
+        backend.scheduler.prefill_some = going_on
 
     def say(self, text: str, then: str | None = None) -> None:
         super().say(self.spoken(text), None if then is None else self.spoken(then))
