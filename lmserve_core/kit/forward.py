@@ -172,12 +172,13 @@ class RecurrentCache(NativeCache):
         """Where a forward of ``n`` tokens from ``pos`` must stop for a checkpoint."""
         return sorted(p for p in self.planned if pos < p < pos + n)
 
-    def wrote(self, end: int) -> None:
-        """Positions up to ``end`` are written; take its checkpoint when one is planned."""
+    def wrote(self, end: int, state: Any = None) -> None:
+        """Positions up to ``end`` are written; take its checkpoint when one is planned
+        (``state``: the state at ``end`` kept during a pass that went further)."""
         self.pos = end
         if end in self.planned:
             self.planned.discard(end)
-            self.checkpoints[end] = self.native.recurrent_state()
+            self.checkpoints[end] = self.native.recurrent_state() if state is None else state
             while len(self.checkpoints) > MAX_CHECKPOINTS:
                 del self.checkpoints[min(self.checkpoints, key=self._keep_rank)]
 
@@ -816,21 +817,34 @@ class NativeForwardModel:
         recurrent = isinstance(cache, RecurrentCache)
         if pos == 0 and recurrent:
             cache.truncate(0)  # a new sequence: its checkpoints are of another
-        # a recurrent cache: the pieces between the checkpoints planned inside the call
-        inner = cache.stops(pos, ids.size) if recurrent else []
-        bounds = [pos, *inner, pos + ids.size]
+        # a recurrent cache: the checkpoints planned inside the call, kept in the same pass
+        # (a pass keeps at most LM_MAX_SNAPSHOTS; past them it ends at the next one)
+        stops = cache.stops(pos, ids.size) if recurrent else []
+        most = int(kernels.lib.LM_MAX_SNAPSHOTS)
+        end = pos + ids.size
         out = None if hidden is None else kernels.ffi.from_buffer(hidden, require_writable=True)
         with self._lock:
             self._require_open()
             if out is not None:
                 self._core.hidden = kernels.ffi.cast("float *", out)
             try:
-                for a, b in zip(bounds, bounds[1:], strict=False):
+                a = pos
+                while a < end:
+                    inside, stops = stops[:most], stops[most:]
+                    b = stops.pop(0) if stops else end
                     piece = logits[a - pos : b - pos] if all_logits else logits
-                    kernels.forward(self._core, cache.native, ids[a - pos : b - pos], a, piece,
-                                    all_logits)
+                    kept = cache.native.plan_snapshots(inside) if inside else None
+                    try:
+                        kernels.forward(self._core, cache.native, ids[a - pos : b - pos], a,
+                                        piece, all_logits)
+                    finally:
+                        if kept is not None:
+                            cache.native.plan_snapshots(())
                     if recurrent:
+                        for p, state in zip(inside, kept if kept is not None else (), strict=True):
+                            cache.wrote(p, state)
                         cache.wrote(b)
+                    a = b
             finally:
                 if out is not None:
                     self._core.hidden = kernels.ffi.NULL

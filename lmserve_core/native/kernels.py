@@ -795,6 +795,7 @@ class Cache:
         ]
         # f32 values of each layer's recurrent state (0: a layer of K/V rows only)
         self.states: list[int] = [int(arr[i].state) for i in range(n)]
+        self._snapshots: tuple[Any, Any] | None = None  # plan_snapshots' arrays
 
     @property
     def ptr(self) -> Any:
@@ -854,6 +855,25 @@ class Cache:
         written (:meth:`load_recurrent` takes it back)."""
         buf = np.empty(self.recurrent_bytes, np.uint8)
         check(lib.lm_cache_recurrent_save(self.ptr, _ubuf(buf), buf.nbytes), "cache_recurrent_save")
+        return buf
+
+    def plan_snapshots(self, positions: Sequence[int]) -> npt.NDArray[np.uint8]:
+        """Keep the recurrent state as a prompt of each of ``positions`` leaves it while the
+        next chunk is read (one pass instead of a stop at each); row ``i`` of the returned
+        ``(len(positions), recurrent_bytes)`` array gets :meth:`recurrent_state`'s bytes for
+        ``positions[i]``. Empty ``positions`` ends the plan; end it before the array goes."""
+        buf = np.zeros((len(positions), self.recurrent_bytes), np.uint8)
+        pos = np.ascontiguousarray(positions, np.int64)
+        if not len(positions):
+            check(lib.lm_cache_plan_snapshots(self.ptr, ffi.NULL, 0, ffi.NULL, 0),
+                  "cache_plan_snapshots")
+            self._snapshots = None
+            return buf
+        check(lib.lm_cache_plan_snapshots(
+            self.ptr, ffi.cast("int64_t *", pos.ctypes.data), len(positions),
+            ffi.from_buffer("uint8_t[]", buf), buf.nbytes,
+        ), "cache_plan_snapshots")
+        self._snapshots = (pos, buf)  # alive while the C side points at them
         return buf
 
     def load_recurrent(self, state: npt.ArrayLike) -> None:

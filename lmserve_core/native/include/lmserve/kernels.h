@@ -177,6 +177,14 @@ int64_t lm_cache_recurrent_bytes(const lm_cache *cache);
 int lm_cache_recurrent_save(const lm_cache *cache, void *buf, int64_t buf_bytes);
 int lm_cache_recurrent_load(lm_cache *cache, const void *buf, int64_t buf_bytes);
 int lm_cache_recurrent_reset(lm_cache *cache);
+/* While the next chunks are read, keep every layer's recurrent state as a prompt of pos[i]
+ * positions leaves it (after the row at pos[i] - 1) in buf's i-th n_state floats, laid out
+ * as lm_cache_recurrent_save writes it: one pass takes the checkpoints a prompt plans, where
+ * stopping at each would read the weights again. At most LM_MAX_SNAPSHOTS; n = 0 ends it. */
+int lm_cache_plan_snapshots(lm_cache *cache, const int64_t *pos, int n, void *buf,
+                            int64_t buf_bytes);
+/* For a recurrent mixer: where layer's state after `end` positions is kept, or NULL. */
+float *lm_cache_snapshot_layer(lm_cache *cache, int64_t end, int layer);
 int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst);
 /* lm_attention over one layer of a cache (rows [0, pos0 + ntok) already written). */
 int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,

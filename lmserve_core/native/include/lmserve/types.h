@@ -29,6 +29,9 @@ enum lm_status {
     LM_EMISMATCH = -6 /* a cache of another geometry than the model's */
 };
 
+/* recurrent states a cache keeps while one chunk is read (lm_cache_plan_snapshots) */
+enum { LM_MAX_SNAPSHOTS = 8 };
+
 /* ------------------------------------------------------------------ tensor types
  * Values are GGML's type ids, so a GGUF tensor's type passes through unchanged; one
  * exception, LM_Q2_0_128 (below). */
