@@ -9,12 +9,12 @@ SentencePiece vocabularies (``tokenizer.ggml.model == "llama"``) get a BPE whose
 ranked by the score of the merged piece, which is how llama.cpp's SPM tokenizer merges.
 The parts live apart: the pre-tokenizer table in :mod:`lmserve_core.pretokenize`, special
 tokens in :mod:`lmserve_core.special_tokens`, the ``tokenizers`` models in
-:mod:`lmserve_core.merges`.
+:mod:`lmserve_core.merges`, the clean-up of decoded text and the streaming decoder in
+:mod:`lmserve_core.detokenize`.
 """
 
 from __future__ import annotations
 
-import codecs
 import functools
 import os
 import re
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from tokenizers import Regex, pre_tokenizers
 
+from .detokenize import StreamDecoder, _clean_up_spaces
 from .merges import _build_bpe, _build_spm
 from .pretokenize import (
     _MASK_LSTRIP_PRES,
@@ -121,6 +122,26 @@ def _symbol_pair(byte_level: bool, left: str, right: str) -> str:
 
 _CACHE: dict[tuple[Any, ...], Tokenizer] = {}
 _CACHE_SIZE = 4
+
+
+def _token_piece(text: str, kind: int, escaped_spaces: bool, byte_level: bool) -> bytes:
+    """The bytes a token of this text and type stands for: SentencePiece (and escaped)
+    vocabularies spell spaces as U+2581, byte-level ones bytes as GPT-2's characters."""
+    if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
+        return text.encode("utf-8")
+    if kind == TokenType.BYTE:
+        return bytes([int(text[3:5], 16)])
+    if kind != TokenType.NORMAL:
+        return b""  # unused/undefined tokens print nothing in llama.cpp
+    if escaped_spaces:
+        return text.replace("\u2581", " ").encode("utf-8")
+    if not byte_level:
+        # (llama.cpp would read GPT-2 byte characters here and garble the text)
+        return text.encode("utf-8")
+    try:
+        return bytes(_BYTE_DECODER[c] for c in text)
+    except KeyError:
+        return text.encode("utf-8")
 
 
 def _metadata_arguments(gguf_file: GGUFFile) -> dict[str, Any]:
@@ -220,35 +241,6 @@ def _model_defaults(model: str, pre: str | None) -> _Defaults:
     return _Defaults(
         name, spec, bos_default, eos_default, unk_default, add_bos_default, space_prefix_default
     )
-
-
-class StreamDecoder:
-    """Turns generated token ids into text, emitting only complete UTF-8 characters."""
-
-    def __init__(
-        self, tokenizer: Tokenizer, *, skip_special: bool = False, keep: Collection[int] = ()
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special = skip_special
-        self._keep = frozenset(keep)  # special tokens whose text is kept all the same
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text that is now complete (possibly "")."""
-        if (
-            self._skip_special
-            and self._tokenizer.is_special(token_id)
-            and token_id not in self._keep
-        ):
-            return ""
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
-
-    def flush(self) -> str:
-        """End of the sequence: an incomplete character held back is dropped (a reply cut by
-        the token budget inside a multi-byte character ends before it, not in U+FFFD)."""
-        pending, _ = self._utf8.getstate()
-        self._utf8.reset()
-        return "" if pending else self._utf8.decode(b"", final=True)
 
 
 class Tokenizer:
@@ -607,22 +599,8 @@ class Tokenizer:
         return cached
 
     def _piece(self, i: int) -> bytes:
-        text, kind = self._texts[i], self._types[i]
-        if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
-            return text.encode("utf-8")
-        if kind == TokenType.BYTE:
-            return bytes([int(text[3:5], 16)])
-        if kind != TokenType.NORMAL:
-            return b""  # unused/undefined tokens print nothing in llama.cpp
-        if self.model == "llama" or self._escape:
-            return text.replace("\u2581", " ").encode("utf-8")
-        if not self._byte_level:
-            # (llama.cpp would read GPT-2 byte characters here and garble the text)
-            return text.encode("utf-8")
-        try:
-            return bytes(_BYTE_DECODER[c] for c in text)
-        except KeyError:
-            return text.encode("utf-8")
+        escaped = self.model == "llama" or self._escape
+        return _token_piece(self._texts[i], self._types[i], escaped, self._byte_level)
 
     def decode(
         self, ids: Iterable[int], *, skip_special: bool = False, clean_spaces: bool = False
@@ -670,39 +648,3 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size})"
-
-
-def _clean_up_spaces(text: bytes) -> bytes:
-    """llama_detokenize's three clean-up passes (clean_up_tokenization_spaces), in place on
-    the bytes as llama.cpp runs them."""
-    buf = bytearray(text)
-    # a space before ? ! . , goes
-    n, total = len(buf), min(len(buf), 1)
-    for i in range(1, n):
-        x = buf[i]
-        if buf[i - 1] == 0x20 and x in b"?!.,":
-            total -= 1
-        buf[total] = x
-        total += 1
-    # " ' " becomes "'"
-    n, total, i = total, min(total, 1), 1
-    while i < n:
-        x = buf[i]
-        if x == 0x27 and i + 1 < n and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
-            total -= 1
-            i += 1
-            buf[i] = 0
-        buf[total] = x
-        total += 1
-        i += 1
-    # " 's" " 'm" " 're" " 've" lose the space
-    n, total = total, min(total, 1)
-    for i in range(1, n):
-        x = buf[i]
-        if buf[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
-            after = bytes(buf[i + 1 : min(i + 3, n)])
-            if after[:1] in (b"s", b"m") or after in (b"re", b"ve"):
-                total -= 1
-        buf[total] = x
-        total += 1
-    return bytes(buf[:total])
