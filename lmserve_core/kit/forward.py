@@ -35,6 +35,9 @@ __all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "RecurrentCache
 # Most tokens per weight pass: large enough that prefill is compute-bound, small enough that
 # the scratch (a few n_batch x n_ff float buffers) stays a few MB.
 DEFAULT_BATCH = 256
+# A ranking model's classifier head (llama.cpp's cls_out): read by lmserve_core.embeddings,
+# not by the forward pass
+POOLING_HEAD_TENSORS = frozenset({"cls.output.weight", "cls.output.bias"})
 
 log = structlog.get_logger("lmserve.kit")
 
@@ -538,7 +541,7 @@ class NativeForwardModel:
     def refuse_unknown_tensors(self, what: str) -> None:
         """Raise when the file holds tensors the weight table does not read: a variant
         (biases, extra norms, experts) this forward pass would silently get wrong."""
-        extra = sorted(set(self.gguf.tensors) - self._used)
+        extra = sorted(set(self.gguf.tensors) - self._used - POOLING_HEAD_TENSORS)
         if extra:
             more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
             raise GGUFError(
@@ -852,11 +855,12 @@ class NativeForwardModel:
         return logits
 
     def forward_batch(
-        self, rows: Sequence[tuple[Any, Sequence[int], int]]
+        self, rows: Sequence[tuple[Any, Sequence[int], int]], *, hidden: np.ndarray | None = None
     ) -> list[np.ndarray]:
         """One weight pass over several sequences: ``rows`` of (cache, tokens, pos), each
         cache distinct, at most ``n_batch`` tokens in all. Returns each row's logits,
-        ``(len(tokens), n_vocab)`` float32, for every token."""
+        ``(len(tokens), n_vocab)`` float32, for every token; ``hidden`` (float32, a row of
+        ``n_embd`` per token) gets their final-normed states."""
         if not rows:
             return []
         checked = [self._check_call(cache, tokens, pos) for cache, tokens, pos in rows]
@@ -872,15 +876,43 @@ class NativeForwardModel:
             if p == 0 and isinstance(cache, RecurrentCache):
                 cache.truncate(0)
         logits = np.empty((total, self.n_vocab), np.float32)
+        out = None
+        if hidden is not None:
+            if hidden.dtype != np.float32 or hidden.size < total * int(self._core.n_embd):
+                raise ValueError(f"hidden must hold {total} float32 rows of n_embd")
+            out = kernels.ffi.from_buffer(hidden, require_writable=True)
         with self._lock:
             self._require_open()
-            kernels.forward_batch(
-                self._core, [cache.native for cache, _, _ in rows], ids, ntoks, pos, logits
-            )
+            if out is not None:
+                self._core.hidden = kernels.ffi.cast("float *", out)
+            try:
+                kernels.forward_batch(
+                    self._core, [cache.native for cache, _, _ in rows], ids, ntoks, pos, logits
+                )
+            finally:
+                if out is not None:
+                    self._core.hidden = kernels.ffi.NULL
         for (cache, _, _), p, n in zip(rows, pos.tolist(), ntoks.tolist(), strict=True):
             if isinstance(cache, RecurrentCache):
                 cache.wrote(p + n)
         return np.split(logits, np.cumsum(ntoks)[:-1])
+
+    def hidden_batch(
+        self, rows: Sequence[tuple[Any, Sequence[int], int]]
+    ) -> list[np.ndarray]:
+        """:meth:`forward_batch` for the hidden states: each row's final-normed states,
+        ``(len(tokens), n_embd)`` float32, for every token (what embeddings pool)."""
+        if not rows:
+            return []
+        total = sum(len(tokens) for _, tokens, _ in rows)
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens exceed the batch of {self.n_batch}")
+        self._require_open()
+        hidden = np.full((total, int(self._core.n_embd)), np.nan, np.float32)
+        self.forward_batch(rows, hidden=hidden)
+        if np.isnan(hidden[-1, 0]):  # a family whose pass does not end in the kit's lm_logits
+            raise RuntimeError(f"{type(self).__name__} does not report its hidden states")
+        return np.split(hidden, np.cumsum([len(tokens) for _, tokens, _ in rows])[:-1])
 
     def forward_traced(
         self, cache: Any, tokens: Sequence[int], pos: int

@@ -756,7 +756,7 @@ int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const flo
     if (n == 0) return LM_OK;
     const int64_t D = b->n_embd;
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, x, norm, n, D, eps));
-    if (b->hidden != NULL) memcpy(b->hidden, b->xb + (n - 1) * D, sizeof(float) * (size_t)D);
+    if (b->hidden != NULL) memcpy(b->hidden, b->xb, sizeof(float) * (size_t)(n * D));
     LM_TRY(lm_matmul(b->pool, out.type, out.data, b->n_vocab, D, b->xb, n, logits));
     if (softcap > 0.0f) LM_TRY(lm_softcap_rows(logits, n * b->n_vocab, softcap));
     return LM_OK;
