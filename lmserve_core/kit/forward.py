@@ -855,14 +855,26 @@ class NativeForwardModel:
         return logits
 
     def forward_batch(
-        self, rows: Sequence[tuple[Any, Sequence[int], int]], *, hidden: np.ndarray | None = None
+        self, rows: Sequence[tuple[Any, Sequence[int], int]]
     ) -> list[np.ndarray]:
         """One weight pass over several sequences: ``rows`` of (cache, tokens, pos), each
         cache distinct, at most ``n_batch`` tokens in all. Returns each row's logits,
-        ``(len(tokens), n_vocab)`` float32, for every token; ``hidden`` (float32, a row of
-        ``n_embd`` per token) gets their final-normed states."""
+        ``(len(tokens), n_vocab)`` float32, for every token."""
         if not rows:
             return []
+        logits = self._batch(rows, None, want_logits=True)
+        assert logits is not None
+        return np.split(logits, np.cumsum([len(tokens) for _, tokens, _ in rows])[:-1])
+
+    def _batch(
+        self,
+        rows: Sequence[tuple[Any, Sequence[int], int]],
+        hidden: np.ndarray | None,
+        *,
+        want_logits: bool,
+    ) -> np.ndarray | None:
+        """The pass behind :meth:`forward_batch` and :meth:`hidden_batch`: the logits of
+        every row (or None), ``hidden`` filled with the final-normed rows when given."""
         checked = [self._check_call(cache, tokens, pos) for cache, tokens, pos in rows]
         ntoks = np.array([ids.size for ids, _ in checked], np.int64)
         total = int(ntoks.sum())
@@ -875,7 +887,7 @@ class NativeForwardModel:
         for (cache, _, _), p in zip(rows, pos.tolist(), strict=True):
             if p == 0 and isinstance(cache, RecurrentCache):
                 cache.truncate(0)
-        logits = np.empty((total, self.n_vocab), np.float32)
+        logits = np.empty((total, self.n_vocab), np.float32) if want_logits else None
         out = None
         if hidden is not None:
             if hidden.dtype != np.float32 or hidden.size < total * int(self._core.n_embd):
@@ -895,21 +907,21 @@ class NativeForwardModel:
         for (cache, _, _), p, n in zip(rows, pos.tolist(), ntoks.tolist(), strict=True):
             if isinstance(cache, RecurrentCache):
                 cache.wrote(p + n)
-        return np.split(logits, np.cumsum(ntoks)[:-1])
+        return logits
 
-    def hidden_batch(
-        self, rows: Sequence[tuple[Any, Sequence[int], int]]
-    ) -> list[np.ndarray]:
+    def hidden_batch(self, rows: Sequence[tuple[Any, Sequence[int], int]]) -> list[np.ndarray]:
         """:meth:`forward_batch` for the hidden states: each row's final-normed states,
-        ``(len(tokens), n_embd)`` float32, for every token (what embeddings pool)."""
+        ``(len(tokens), n_embd)`` float32, for every token (what embeddings pool). A decoder
+        the kit runs whole skips the output head; another family computes its logits too."""
         if not rows:
             return []
-        total = sum(len(tokens) for _, tokens, _ in rows)
-        if total > self.n_batch:
-            raise ValueError(f"{total} tokens exceed the batch of {self.n_batch}")
         self._require_open()
+        total = sum(len(tokens) for _, tokens, _ in rows)
         hidden = np.full((total, int(self._core.n_embd)), np.nan, np.float32)
-        self.forward_batch(rows, hidden=hidden)
+        try:
+            self._batch(rows, hidden, want_logits=False)
+        except kernels.KernelValueError:  # a family pass of its own: it writes logits too
+            self._batch(rows, hidden, want_logits=True)
         if np.isnan(hidden[-1, 0]):  # a family whose pass does not end in the kit's lm_logits
             raise RuntimeError(f"{type(self).__name__} does not report its hidden states")
         return np.split(hidden, np.cumsum([len(tokens) for _, tokens, _ in rows])[:-1])

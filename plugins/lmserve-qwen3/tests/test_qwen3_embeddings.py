@@ -5,6 +5,8 @@ LangChain's ``OpenAIEmbeddings`` and LlamaIndex's ``OpenAIEmbedding``."""
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -331,3 +333,47 @@ def test_rerank_in_jina_cohere_and_tei_shapes(reranker_server: str, reranker_mod
         reranker_server + "/v1/rerank", timeout=30, json={"query": QUERY, "documents": []}
     )
     assert empty.status_code == 400 and "'documents'" in empty.json()["error"]["message"]
+
+
+def test_a_chat_model_serves_embeddings_with_the_flag(
+    synthetic: Any, tokenizer: Tokenizer, tmp_path: Any
+) -> None:
+    openai = pytest.importorskip("openai")
+    model = synthetic("qwen3", "f32")
+    args = ("--backend", "qwen3", str(model.gguf), "--ctx", "512", "--threads", "2")
+    with lmserve_process(*args, "--embeddings", log=tmp_path / "lmserve.log") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        reply = client.embeddings.create(model="any", input=TEXTS[:2])
+        assert_embed(TEXTS[:2], [d.embedding for d in reply.data], model.load_hf(), tokenizer)
+        chat = client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        meta = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["meta"]
+        assert meta["embeddings"] is True and meta["pooling"] == "last"
+        refused = httpx.post(base + "/v1/rerank", json={"query": "q", "documents": ["d"]})
+        assert refused.status_code == 400
+    # ranking needs the classifier head a chat model's file does not have
+    out = subprocess.run(
+        [sys.executable, "-m", "lmserve_core", *args, "--pooling", "rank"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "classifier head" in out.stdout + out.stderr
+
+
+def test_hidden_states_skip_the_head_and_match_the_pass_with_logits(embedding_model: Any) -> None:
+    gguf = GGUFFile.open(embedding_model.gguf)
+    model = Qwen3Model.load(gguf, n_batch=32)
+    rows = [(model.new_cache(8), [5, 6, 7, 8], 0), (model.new_cache(8), [9, 10], 0)]
+    states = model.hidden_batch(rows)
+    assert [s.shape for s in states] == [(4, 64), (2, 64)]
+    with_logits = np.full((6, 64), np.nan, np.float32)
+    logits = model._batch(rows, with_logits, want_logits=True)
+    assert logits is not None and logits.shape == (6, model.n_vocab)
+    assert np.array_equal(np.concatenate(states), with_logits)
+    # the last row is what embed() (the fleet's retrieval vectors) reads
+    assert np.allclose(model.embed([9, 10]), states[1][-1], atol=1e-6)
+    model.close()
