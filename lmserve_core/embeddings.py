@@ -9,13 +9,16 @@ overrides either.
 
 The states are the last layer's after the final norm, as transformers' ``last_hidden_state``;
 embeddings are L2-normalised. The inputs of a request run together, packed into weight
-passes of up to ``n_batch`` tokens, on the engine's worker (``Engine.call``).
+passes of up to ``n_batch`` tokens, on the engine's worker (``Engine.call``); requests queued
+meanwhile join them (``queue`` and ``run_queued``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +54,15 @@ class Pooled:
     tokens: int
 
 
+@dataclass(eq=False)
+class _Job:
+    """A request's inputs waiting for the worker."""
+
+    inputs: Sequence[Sequence[int]]
+    rank: bool
+    future: Future[Pooled] = field(default_factory=Future)
+
+
 class Embedder:
     """Pools a backend's hidden states: embeddings (``embed``) or rerank scores (``rank``).
 
@@ -75,6 +87,10 @@ class Embedder:
         self.rerank_template: str | None = None
         self.labels: list[str] = []
         self.softmax = False
+        # a reranker's embeddings are its last token's states
+        self._embed_pooling = "last" if pooling == "rank" else pooling
+        self._queued: list[_Job] = []
+        self._queue_lock = threading.Lock()
         if pooling == "rank":
             self.head, self.head_bias = _classifier_head(gguf)
             template = gguf.get(RERANK_TEMPLATE_KEY)
@@ -136,20 +152,60 @@ class Embedder:
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> Pooled:
         """L2-normalised embeddings of ``inputs`` (token ids), ``(len(inputs), n_embd)``."""
-        rows = self._pool(inputs, "last" if self.ranks else self.pooling)
-        norms = np.linalg.norm(rows, axis=1, keepdims=True)
-        return Pooled(rows / np.maximum(norms, 1e-12), sum(len(x) for x in inputs))
+        return self._finish(False, inputs, self._pool(inputs, self._embed_pooling))
 
     def rank(self, inputs: Sequence[Sequence[int]]) -> Pooled:
         """The relevance score of each input (a rerank prompt)."""
+        return self._finish(True, inputs, self._pool(inputs, "last"))
+
+    def queue(self, inputs: Sequence[Sequence[int]], *, rank: bool) -> Future[Pooled]:
+        """Hold a request's inputs for the next :meth:`run_queued`; the future gets what
+        :meth:`rank` or :meth:`embed` would return."""
+        job = _Job(inputs, rank)
+        with self._queue_lock:
+            self._queued.append(job)
+        return job.future
+
+    def withdraw(self, future: Future[Pooled]) -> None:
+        """Drop a queued request (its call was refused) unless it already ran."""
+        with self._queue_lock:
+            self._queued = [job for job in self._queued if job.future is not future]
+
+    def run_queued(self) -> None:
+        """Every queued request's inputs through the forward pass together (on the worker):
+        requests that arrive while the worker is busy share passes, as one request's inputs
+        do. A later call finds its request already done and returns."""
+        with self._queue_lock:
+            jobs, self._queued = self._queued, []
+        for rank in (False, True):
+            group = [job for job in jobs if job.rank is rank]
+            if not group:
+                continue
+            inputs = [ids for job in group for ids in job.inputs]
+            try:
+                states = self._pool(inputs, "last" if rank else self._embed_pooling)
+            except Exception as exc:  # each request gets the failure
+                for job in group:
+                    job.future.set_exception(exc)
+                continue
+            start = 0
+            for job in group:
+                end = start + len(job.inputs)
+                job.future.set_result(self._finish(rank, job.inputs, states[start:end]))
+                start = end
+
+    def _finish(self, rank: bool, inputs: Sequence[Sequence[int]], states: np.ndarray) -> Pooled:
+        tokens = sum(len(x) for x in inputs)
+        if not rank:
+            norms = np.linalg.norm(states, axis=1, keepdims=True)
+            return Pooled(states / np.maximum(norms, 1e-12), tokens)
         assert self.head is not None
-        states = self._pool(inputs, "last")
         logits = states.astype(np.float64) @ self.head.T.astype(np.float64)
         if self.head_bias is not None:
             logits += self.head_bias
         # softmax over the pair, or the one logit as it is
         scores = 1.0 / (1.0 + np.exp(logits[:, 1] - logits[:, 0])) if self.softmax else logits[:, 0]
-        return Pooled(scores, sum(len(x) for x in inputs))
+        return Pooled(scores, tokens)
 
     def _pool(self, inputs: Sequence[Sequence[int]], pooling: str) -> np.ndarray:
         """The pooled final-normed states of each input, float32 ``(inputs, n_embd)``.

@@ -105,6 +105,34 @@ def test_inputs_share_passes_and_pool_exactly(pooling: str, expected: Any) -> No
     assert all(cache.closed for cache in model.caches) and len(model.caches) == 4
 
 
+def test_queued_requests_share_the_passes() -> None:
+    model = HiddenModel(n_batch=8)
+    embedder = Embedder(model, Tokens(), File(), "last", max_tokens=64)  # type: ignore[arg-type]
+    first = embedder.queue(INPUTS[:2], rank=False)
+    dropped = embedder.queue([[1, 2]], rank=False)
+    second = embedder.queue(INPUTS[2:], rank=False)
+    embedder.withdraw(dropped)  # its call was refused: it never runs
+    embedder.run_queued()
+    assert model.passes == [[(3, 0), (3, 0), (2, 0)], [(1, 2), (7, 0)], [(3, 7)]]
+    alone = Embedder(HiddenModel(8), Tokens(), File(), "last", max_tokens=64)  # type: ignore[arg-type]
+    assert np.allclose(first.result(0).rows, alone.embed(INPUTS[:2]).rows)
+    assert np.allclose(second.result(0).rows, alone.embed(INPUTS[2:]).rows)
+    assert first.result(0).tokens == 6 and second.result(0).tokens == 13
+    assert not dropped.done()
+    embedder.run_queued()  # nothing left: a later call returns at once
+    assert len(model.passes) == 3
+
+    def broken(rows: Any) -> Any:
+        raise RuntimeError("kernel failure")
+
+    model.hidden_batch = broken  # type: ignore[method-assign]
+    futures = [embedder.queue([[5]], rank=False), embedder.queue([[6]], rank=False)]
+    embedder.run_queued()
+    for future in futures:
+        with pytest.raises(RuntimeError, match="kernel failure"):
+            future.result(0)
+
+
 def test_inputs_are_checked_naming_the_index() -> None:
     embedder = Embedder(HiddenModel(8), Tokens(), File(), "last", max_tokens=5)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match=r"'input' must not be empty"):

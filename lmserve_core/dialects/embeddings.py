@@ -8,6 +8,7 @@ docs/api-embeddings.md.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from typing import Any, Literal
@@ -18,7 +19,7 @@ import structlog
 from litestar import post
 from litestar.params import JSONBody
 
-from ..embeddings import Embedder
+from ..embeddings import Embedder, Pooled
 from ..errors import InvalidRequest
 from ..server import Server, ServerDep
 
@@ -115,7 +116,7 @@ async def embeddings(data: JSONBody[EmbeddingsRequest], server: ServerDep) -> di
     inputs = await engine.prepare(_inputs, embedder, data.input)
     embedder.check(inputs, "input")
     start = time.perf_counter()
-    pooled = await engine.call(embedder.embed, inputs)
+    pooled = await _pooled(server, embedder, inputs, rank=False)
     rows = pooled.rows
     if data.dimensions is not None and data.dimensions < rows.shape[1]:
         rows = rows[:, : data.dimensions]
@@ -152,7 +153,7 @@ async def rerank(data: JSONBody[RerankRequest], server: ServerDep) -> Any:
     inputs = await engine.prepare(prompts)
     embedder.check(inputs, field)
     start = time.perf_counter()
-    pooled = await engine.call(embedder.rank, inputs)
+    pooled = await _pooled(server, embedder, inputs, rank=True)
     _log(server, "rerank", len(inputs), pooled.tokens, start)
     scores = [float(s) for s in pooled.rows]
     order = sorted(range(len(texts)), key=lambda i: scores[i], reverse=True)
@@ -176,6 +177,19 @@ async def rerank(data: JSONBody[RerankRequest], server: ServerDep) -> Any:
         "usage": {"prompt_tokens": pooled.tokens, "total_tokens": pooled.tokens},
         "results": results,
     }
+
+
+async def _pooled(
+    server: Server, embedder: Embedder, inputs: list[list[int]], *, rank: bool
+) -> Pooled:
+    """The request's inputs through the worker, with whatever other requests are queued."""
+    future = embedder.queue(inputs, rank=rank)
+    try:
+        await server.engine.call(embedder.run_queued)
+    except BaseException:
+        embedder.withdraw(future)
+        raise
+    return await asyncio.wrap_future(future)
 
 
 def _log(server: Server, dialect: str, inputs: int, tokens: int, start: float) -> None:

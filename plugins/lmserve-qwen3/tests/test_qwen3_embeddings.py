@@ -5,6 +5,7 @@ LangChain's ``OpenAIEmbeddings`` and LlamaIndex's ``OpenAIEmbedding``."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -205,6 +206,19 @@ def test_openai_sdk_embeds_every_input_shape(
     head = np.array(b64.data[0].embedding[:16])
     assert len(short.data[0].embedding) == 16
     assert np.allclose(short.data[0].embedding, head / np.linalg.norm(head), atol=1e-6)
+
+
+def test_concurrent_requests_each_get_their_own_vectors(embedding_server: str) -> None:
+    """Requests that arrive together share the worker's passes; each still gets its own."""
+    bodies = [{"input": [f"request {i}: {t}" for t in TEXTS[: 1 + i % 3]]} for i in range(8)]
+    url = embedding_server + "/v1/embeddings"
+    alone = [httpx.post(url, json=body, timeout=60).json() for body in bodies]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda b: httpx.post(url, json=b, timeout=60).json(), bodies))
+    for a, b in zip(alone, together, strict=True):
+        assert a["usage"] == b["usage"] and len(a["data"]) == len(b["data"])
+        for x, y in zip(a["data"], b["data"], strict=True):
+            assert cosine(np.array(x["embedding"]), np.array(y["embedding"])) > 0.99999
 
 
 def test_embeddings_base64_is_little_endian_float32(embedding_server: str) -> None:
