@@ -33,6 +33,7 @@ log = structlog.get_logger("lmserve.embeddings")
 POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
 POOLINGS = POOLING_TYPES[1:]  # what --pooling takes
 RERANK_TEMPLATE_KEY = "tokenizer.chat_template.rerank"
+SOFTMAX_RANKERS = ("qwen3", "qwen3vl")
 
 
 def file_pooling(gguf: GGUFFile) -> str | None:
@@ -97,9 +98,14 @@ class Embedder:
             self.rerank_template = template if isinstance(template, str) else None
             labels = gguf.arch_get("classifier.output_labels")
             self.labels = [str(x) for x in labels] if isinstance(labels, list) else []
+            if self.head.shape[1] != self.n_embd:
+                raise ValueError(
+                    f"{gguf.path}: cls.output has rows of {self.head.shape[1]}, "
+                    f"not n_embd {self.n_embd}"
+                )
             # Qwen3-Reranker's two rows are "yes" and "no": the score is P(yes), a softmax
-            # over the pair, as llama.cpp reads it
-            self.softmax = gguf.architecture.startswith("qwen3") and self.head.shape[0] == 2
+            # over the pair, as llama.cpp reads it (for these architectures only)
+            self.softmax = gguf.architecture in SOFTMAX_RANKERS and self.head.shape[0] == 2
 
     @property
     def ranks(self) -> bool:
