@@ -209,6 +209,21 @@ def model_meta(server: Server) -> dict[str, Any]:
             "tools": caps.tool_style,
             "grammar": caps.grammar,
         },
+        **embedding_meta(server),
+    }
+
+
+def embedding_meta(server: Server) -> dict[str, Any]:
+    """What the model serves beside generation: ``embeddings`` and ``rerank`` (booleans),
+    ``pooling`` and ``n_embd`` when it embeds."""
+    embedder = server.embedder
+    if embedder is None:
+        return {"embeddings": False, "rerank": False}
+    return {
+        "embeddings": True,
+        "rerank": embedder.ranks,
+        "pooling": embedder.pooling,
+        "n_embd": embedder.n_embd,
     }
 
 
@@ -224,6 +239,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
         "POST /v1/chat/completions",
         "POST /v1/responses",
         "POST /v1/completions",
+        "POST /v1/embeddings",
         "GET /v1/models",
     ),
     "anthropic": ("POST /v1/messages", "POST /v1/messages/count_tokens"),
@@ -233,12 +249,20 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
         "GET /schema/openapi.json",
         "POST /tokenize",
         "POST /detokenize",
+        "POST /v1/rerank",
     ),
 }
 
 
 def dialect_routes() -> list[ControllerRouterHandler]:
-    from .dialects import anthropic, openai_chat, openai_completions, responses, tokenize
+    from .dialects import (
+        anthropic,
+        embeddings,
+        openai_chat,
+        openai_completions,
+        responses,
+        tokenize,
+    )
 
     return [
         *openai_chat.routes,
@@ -246,6 +270,7 @@ def dialect_routes() -> list[ControllerRouterHandler]:
         *responses.routes,
         *anthropic.routes,
         *tokenize.routes,
+        *embeddings.routes,
     ]
 
 

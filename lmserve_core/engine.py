@@ -6,7 +6,9 @@ Requests are accepted concurrently on the asyncio side, prepared (the backend's
 backend that batches (``begin`` and ``step``, see ``lmserve_core.backend``) runs up to
 ``batch_size`` generations at once: the worker advances them a step at a time, takes
 queued requests into the running batch between steps, and lets each one leave as soon as
-it ends. Any other backend generates one request at a time. The worker never touches a
+it ends. Any other backend generates one request at a time. Work that is not a generation
+(an embeddings request's forward passes) is queued with ``call`` and run by the same worker
+between steps, so it never races the generations for the model. The worker never touches a
 socket: each request gets a ``RequestStream`` whose events are handed to the event loop
 with ``call_soon_threadsafe``, so a client that stops reading only grows its own buffer.
 """
@@ -157,6 +159,21 @@ class RequestStream:
 
 
 @dataclass(slots=True, eq=False)
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn(*self.args))
+        except BaseException as exc:  # handed to the caller, whatever it is
+            self.future.set_exception(exc)
+
+
+@dataclass(slots=True, eq=False)
 class _Job:
     stream: RequestStream
     generation: Any = None  # the backend's handle while it is being generated in a batch
@@ -172,6 +189,7 @@ class Engine:
         self.backend = backend
         self.queue_size = queue_size
         self._jobs: collections.deque[_Job] = collections.deque()
+        self._calls: collections.deque[_Call] = collections.deque()
         self._cond = threading.Condition()
         self._accepting = True
         self._stopping = False
@@ -218,6 +236,10 @@ class Engine:
                 job.stream.cancel()
             for job in self._active:
                 job.stream.cancel()
+            for call in self._calls:
+                if call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(ShuttingDown("the server is shutting down"))
+            self._calls.clear()
             self._cond.notify_all()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -236,7 +258,7 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._calls)
 
     @property
     def busy(self) -> bool:
@@ -277,7 +299,7 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._jobs) + len(streams) > self.queue_size:
+            if len(self._jobs) + len(self._calls) + len(streams) > self.queue_size:
                 raise QueueFull(
                     f"the request queue is full ({self.queue_size} waiting); retry later",
                     retry_after=max(1, len(self._jobs)),
@@ -286,6 +308,33 @@ class Engine:
             self._cond.notify()
         return streams
 
+    async def call(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` on the inference worker, between generation steps, through the
+        bounded queue (QueueFull, ShuttingDown): work that uses the model but is not a
+        generation (embeddings)."""
+        call = _Call(fn, args)
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._jobs) + len(self._calls) + 1 > self.queue_size:
+                raise QueueFull(
+                    f"the request queue is full ({self.queue_size} waiting); retry later",
+                    retry_after=max(1, self.queued),
+                )
+            self._calls.append(call)
+            self._cond.notify()
+        result: _R = await asyncio.wrap_future(call.future)
+        return result
+
+    def _run_calls(self) -> None:
+        """Run the queued calls (on the worker)."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                call = self._calls.popleft()
+            call.run()
+
     # -- the worker ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -293,9 +342,12 @@ class Engine:
             self._run_batched()
             return
         while True:
+            self._run_calls()
             with self._cond:
-                while not self._jobs and not self._stopping:
+                while not self._jobs and not self._calls and not self._stopping:
                     self._cond.wait()
+                if self._calls:
+                    continue
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
@@ -309,10 +361,13 @@ class Engine:
     def _run_batched(self) -> None:
         active = self._active
         while True:
+            self._run_calls()
             with self._cond:
-                while not self._jobs and not active and not self._stopping:
+                while not self._jobs and not active and not self._calls and not self._stopping:
                     self._cond.wait()
                 if not self._jobs and not active:
+                    if self._calls:
+                        continue
                     return
                 joining: list[_Job] = []
                 while self._jobs and len(active) + len(joining) < self.batch_size:

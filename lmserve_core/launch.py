@@ -150,6 +150,18 @@ def build_parser(commands: Mapping[str, plugins.CommandSpec] | None = None
         action="store_false",
         help="do not serve the chat page at / (docs/webui.md)",
     )
+    h.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="serve /v1/embeddings with a chat model too (an embedding or reranking GGUF "
+        "serves it, and /v1/rerank, without this; docs/api-embeddings.md)",
+    )
+    h.add_argument(
+        "--pooling",
+        choices=["mean", "cls", "last", "rank"],
+        help="how embeddings pool the hidden states (default: the file's "
+        "<arch>.pooling_type, else last); implies --embeddings",
+    )
     s = p.add_argument_group("scheduling and cache")
     s.add_argument(
         "--batch",
@@ -425,6 +437,7 @@ def build(args: argparse.Namespace) -> Built:
 
     from . import memory
     from .app import create_app
+    from .embeddings import embedder_for
     from .engine import Engine
     from .native import kernels
     from .server import Server
@@ -462,7 +475,14 @@ def build(args: argparse.Namespace) -> Built:
     if args.model_id:
         backend.model_id = args.model_id
     engine = Engine(backend, queue_size=args.queue)
-    server = Server(engine=engine, settings=settings, api_key=args.api_key or None)
+    try:
+        embedder = embedder_for(backend, enabled=args.embeddings, pooling=args.pooling)
+    except ValueError as exc:
+        backend.close()
+        raise UsageError(f"--embeddings: {exc}") from exc
+    server = Server(
+        engine=engine, settings=settings, api_key=args.api_key or None, embedder=embedder
+    )
     origins = None
     if args.cors_origins is not None:
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]

@@ -183,7 +183,7 @@ def test_banner_lines() -> None:
         "KV cache   2 slots, 1.5 GiB f16 at full context",
         "chat page  http://127.0.0.1:8080/\n",
         "base URL http://127.0.0.1:8080/v1\n",
-        "POST /v1/chat/completions, /v1/responses, /v1/completions; GET /v1/models",
+        "POST /v1/chat/completions, /v1/responses, /v1/completions, /v1/embeddings; GET /v1/models",
         "POST /v1/messages",
         "API key    none",
     ):

@@ -35,6 +35,9 @@ __all__ = ["DEFAULT_BATCH", "NativeCache", "NativeForwardModel", "RecurrentCache
 # Most tokens per weight pass: large enough that prefill is compute-bound, small enough that
 # the scratch (a few n_batch x n_ff float buffers) stays a few MB.
 DEFAULT_BATCH = 256
+# A ranking model's classifier head (llama.cpp's cls_out): read by lmserve_core.embeddings,
+# not by the forward pass
+POOLING_HEAD_TENSORS = frozenset({"cls.output.weight", "cls.output.bias"})
 
 log = structlog.get_logger("lmserve.kit")
 
@@ -539,7 +542,7 @@ class NativeForwardModel:
     def refuse_unknown_tensors(self, what: str) -> None:
         """Raise when the file holds tensors the weight table does not read: a variant
         (biases, extra norms, experts) this forward pass would silently get wrong."""
-        extra = sorted(set(self.gguf.tensors) - self._used)
+        extra = sorted(set(self.gguf.tensors) - self._used - POOLING_HEAD_TENSORS)
         if extra:
             more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
             raise GGUFError(
@@ -873,6 +876,19 @@ class NativeForwardModel:
         ``(len(tokens), n_vocab)`` float32, for every token."""
         if not rows:
             return []
+        logits = self._batch(rows, None, want_logits=True)
+        assert logits is not None
+        return np.split(logits, np.cumsum([len(tokens) for _, tokens, _ in rows])[:-1])
+
+    def _batch(
+        self,
+        rows: Sequence[tuple[Any, Sequence[int], int]],
+        hidden: np.ndarray | None,
+        *,
+        want_logits: bool,
+    ) -> np.ndarray | None:
+        """The pass behind :meth:`forward_batch` and :meth:`hidden_batch`: the logits of
+        every row (or None), ``hidden`` filled with the final-normed rows when given."""
         checked = [self._check_call(cache, tokens, pos) for cache, tokens, pos in rows]
         ntoks = np.array([ids.size for ids, _ in checked], np.int64)
         total = int(ntoks.sum())
@@ -885,16 +901,44 @@ class NativeForwardModel:
         for (cache, _, _), p in zip(rows, pos.tolist(), strict=True):
             if p == 0 and isinstance(cache, RecurrentCache):
                 cache.truncate(0)
-        logits = np.empty((total, self.n_vocab), np.float32)
+        logits = np.empty((total, self.n_vocab), np.float32) if want_logits else None
+        out = None
+        if hidden is not None:
+            if hidden.dtype != np.float32 or hidden.size < total * int(self._core.n_embd):
+                raise ValueError(f"hidden must hold {total} float32 rows of n_embd")
+            out = kernels.ffi.from_buffer(hidden, require_writable=True)
         with self._lock:
             self._require_open()
-            kernels.forward_batch(
-                self._core, [cache.native for cache, _, _ in rows], ids, ntoks, pos, logits
-            )
+            if out is not None:
+                self._core.hidden = kernels.ffi.cast("float *", out)
+            try:
+                kernels.forward_batch(
+                    self._core, [cache.native for cache, _, _ in rows], ids, ntoks, pos, logits
+                )
+            finally:
+                if out is not None:
+                    self._core.hidden = kernels.ffi.NULL
         for (cache, _, _), p, n in zip(rows, pos.tolist(), ntoks.tolist(), strict=True):
             if isinstance(cache, RecurrentCache):
                 cache.wrote(p + n)
-        return np.split(logits, np.cumsum(ntoks)[:-1])
+        return logits
+
+    def hidden_batch(self, rows: Sequence[tuple[Any, Sequence[int], int]]) -> list[np.ndarray]:
+        """:meth:`forward_batch` for the hidden states: each row's final-normed states,
+        ``(len(tokens), n_embd)`` float32, for every token (what embeddings pool). A decoder
+        the kit runs whole skips the output head; another family computes its logits too."""
+        if not rows:
+            return []
+        self._require_open()
+        total = sum(len(tokens) for _, tokens, _ in rows)
+        hidden = np.full((total, int(self._core.n_embd)), np.nan, np.float32)
+        try:
+            self._batch(rows, hidden, want_logits=False)
+        except kernels.KernelValueError:  # a family pass of its own: it writes logits too
+            self._batch(rows, hidden, want_logits=True)
+        if np.isnan(hidden[-1, 0]):  # a family whose pass does not end in the kit's lm_logits
+            raise RuntimeError(f"{type(self).__name__} does not report its hidden states")
+        return np.split(hidden, np.cumsum([len(tokens) for _, tokens, _ in rows])[:-1])
 
     def forward_traced(
         self, cache: Any, tokens: Sequence[int], pos: int

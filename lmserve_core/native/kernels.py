@@ -991,10 +991,11 @@ def forward(
 
 def forward_batch(
     base: Any, caches: Sequence[Cache], tokens: npt.NDArray[np.int32],
-    ntoks: npt.NDArray[np.int64], pos: npt.NDArray[np.int64], logits: F32Array,
+    ntoks: npt.NDArray[np.int64], pos: npt.NDArray[np.int64], logits: F32Array | None,
 ) -> None:
     """One weight pass over several sequences (``lm_forward_batch``): sequence i runs
-    ``ntoks[i]`` of ``tokens`` at ``pos[i]..`` of ``caches[i]``; logits of every row."""
+    ``ntoks[i]`` of ``tokens`` at ``pos[i]..`` of ``caches[i]``; logits of every row (None:
+    none, only the base's ``hidden`` rows)."""
     ptrs = ffi.new("lm_cache *[]", [c.ptr for c in caches])
     check(
         lib.lm_forward_batch(
@@ -1004,7 +1005,9 @@ def forward_batch(
             ffi.cast("int32_t *", ffi.from_buffer(tokens)),
             ffi.cast("int64_t *", ffi.from_buffer(ntoks)),
             ffi.cast("int64_t *", ffi.from_buffer(pos)),
-            ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
+            ffi.NULL
+            if logits is None
+            else ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
         ),
         "forward_batch",
     )

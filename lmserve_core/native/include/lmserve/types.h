@@ -384,8 +384,9 @@ struct lm_base {
     int n_seqs;
     lm_trace *trace;        /* NULL unless routing is being recorded */
     int64_t trace_row;      /* first trace row of the chunk being run */
-    float *hidden;          /* NULL, or n_embd floats lm_logits fills with the last row it
-                               reads after the final norm (a sequence's embedding) */
+    float *hidden;          /* NULL, or (rows, n_embd) floats lm_logits fills with every row
+                               it reads after the final norm (embeddings): the last row
+                               alone unless every row's logits are asked for */
 };
 
 /* A pre-norm decoder model the kit runs whole: a family fills the blocks (and the rope
