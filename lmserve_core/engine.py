@@ -3,7 +3,7 @@
 Requests are accepted concurrently on the asyncio side, prepared (the backend's
 ``validate``: prompt rendered and tokenized, grammar compiled) on a few preparation threads
 (``PREPARE_THREADS``), and generated on a single worker thread that owns the backend. A
-backend that batches (``begin`` and ``step``, see ``lmserve_core.backend``) runs up to
+backend that batches (``lmserve_core.backend.Batching``: ``begin`` and ``step``) runs up to
 ``batch_size`` generations at once: the worker advances them a step at a time, takes
 queued requests into the running batch between steps, and lets each one leave as soon as
 it ends. Any other backend generates one request at a time. The worker never touches a
