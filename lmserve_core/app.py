@@ -20,6 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ControllerRouterHandler
 
 from . import __version__
+from .backend import HasFamily
 from .errors import LmserveError, NotFound, QueueFull, Unauthorized
 from .metrics import CONTENT_TYPE, dialect_of
 from .plugins import pm
@@ -201,7 +202,7 @@ def model_meta(server: Server) -> dict[str, Any]:
     caps = backend.capabilities
     return {
         "backend": backend.name,
-        "family": getattr(backend, "family", None) or backend.name,
+        "family": (backend.family if isinstance(backend, HasFamily) else None) or backend.name,
         "n_ctx": server.ctx,
         "kernels": kernels_name(),
         "capabilities": {

@@ -3,7 +3,7 @@
 Requests are accepted concurrently on the asyncio side, prepared (the backend's
 ``validate``: prompt rendered and tokenized, grammar compiled) on a few preparation threads
 (``PREPARE_THREADS``), and generated on a single worker thread that owns the backend. A
-backend that batches (``begin`` and ``step``, see ``lmserve_core.backend``) runs up to
+backend that batches (``lmserve_core.backend.Batching``: ``begin`` and ``step``) runs up to
 ``batch_size`` generations at once: the worker advances them a step at a time, takes
 queued requests into the running batch between steps, and lets each one leave as soon as
 it ends. Any other backend generates one request at a time. Work that is not a generation
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from .backend import Backend
+from .backend import Backend, BatchedGeneration, Batching, CountsTokens, HasSlots
 from .contract import ReplySink
 from .errors import LmserveError, QueueFull, ShuttingDown
 from .events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
@@ -176,7 +176,7 @@ class _Call:
 @dataclass(slots=True, eq=False)
 class _Job:
     stream: RequestStream
-    generation: Any = None  # the backend's handle while it is being generated in a batch
+    generation: BatchedGeneration | None = None  # its handle while it is generated in a batch
     sink: ReplySink | None = None  # what the backend emits into (batching backends)
 
 
@@ -194,25 +194,20 @@ class Engine:
         self._accepting = True
         self._stopping = False
         self._active: list[_Job] = []  # being generated
-        # A batching backend, typed loosely: begin and step are optional in the contract.
-        self._batcher: Any = backend
-        self._batching = callable(getattr(backend, "begin", None)) and callable(
-            getattr(backend, "step", None)
-        )
-        self.batch_size = max(1, int(getattr(backend, "batch_size", 1))) if self._batching else 1
+        self._batcher = backend if isinstance(backend, Batching) else None
+        self.batch_size = 1 if self._batcher is None else max(1, int(self._batcher.batch_size))
         self.metrics = Metrics()
-        pool: Any = getattr(backend, "slots", None)
+        pool = backend.slots if isinstance(backend, HasSlots) else None
         self.metrics.watch(
             lambda: len(self._jobs),
             lambda: len(self._active),
-            (lambda: pool.slots) if hasattr(pool, "slots") else None,
+            (lambda: pool.slots) if pool is not None else None,
         )
-        disk = getattr(pool, "disk", None)
+        disk = None if pool is None else pool.disk
         if disk is not None:
             self.metrics.watch_disk(lambda: disk.stats)
-        kv_bytes = getattr(backend, "kv_bytes", None)
-        if isinstance(kv_bytes, int):
-            self.metrics.kv_bytes.set(kv_bytes)
+        if isinstance(backend, HasSlots) and isinstance(backend.kv_bytes, int):
+            self.metrics.kv_bytes.set(backend.kv_bytes)
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
         self.prepare_threads = PREPARE_THREADS if prepare_threads is None else prepare_threads
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
@@ -338,8 +333,8 @@ class Engine:
     # -- the worker ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._batching:
-            self._run_batched()
+        if self._batcher is not None:
+            self._run_batched(self._batcher)
             return
         while True:
             self._run_calls()
@@ -358,7 +353,7 @@ class Engine:
                 with self._cond:
                     self._active.clear()
 
-    def _run_batched(self) -> None:
+    def _run_batched(self, batcher: Batching) -> None:
         active = self._active
         while True:
             self._run_calls()
@@ -374,19 +369,20 @@ class Engine:
                     joining.append(self._jobs.popleft())
                 active.extend(joining)
             for job in joining:
-                self._begin(job)
+                self._begin(job, batcher)
             running = [job for job in active if job.generation is not None]
             if running:
                 try:
-                    self._batcher.step([job.generation for job in running])
+                    batcher.step([job.generation for job in running])
                 except Exception as exc:  # a backend bug: fail the batch, keep the worker
                     log.exception("step_failed")
                     for job in running:
-                        if job.generation.finish is None:
+                        gen = job.generation
+                        if gen is not None and gen.finish is None:
                             job.stream.emit(
                                 ErrorEvent(f"generation failed: {exc}", 500, "server_error")
                             )
-                            job.generation.finish = Finish("error", Usage())
+                            gen.finish = Finish("error", Usage())
                 for job in running:
                     assert job.sink is not None
                     job.sink.step_done()
@@ -405,7 +401,7 @@ class Engine:
                 with self._cond:
                     active[:] = [job for job in active if job not in ended]
 
-    def _begin(self, job: _Job) -> None:
+    def _begin(self, job: _Job, batcher: Batching) -> None:
         """Start a job in the running batch; one that cannot start ends here."""
         stream = job.stream
         if stream.cancelled:
@@ -414,7 +410,7 @@ class Engine:
         stream.timing.started = time.perf_counter()
         job.sink = self._sink(stream, per_step=True)
         try:
-            job.generation = self._batcher.begin(stream.request, job.sink)
+            job.generation = batcher.begin(stream.request, job.sink)
         except Exception as exc:
             self._end(stream, self._failed(stream, exc))
 
@@ -427,9 +423,8 @@ class Engine:
         """The prompt's tokens, for a backend that reported none: its exact count when it
         has one, else its tokenizer's count of the prompt's text."""
         try:
-            count = getattr(self.backend, "count_tokens", None)
-            if callable(count):
-                return int(count(request))
+            if isinstance(self.backend, CountsTokens):
+                return int(self.backend.count_tokens(request))
             text = request.prompt
             if text is None:
                 text = "\n".join(m.content for m in request.messages)

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from . import __version__, logs, plugins
-from .backend import BackendSpec
+from .backend import BackendSpec, Batching, HasModel, ServesPrefixes, Speculates
 from .cartridge.file import CartridgeError, read_cartridge
 from .errors import LmserveError
 from .settings import (
@@ -460,15 +460,17 @@ def build(args: argparse.Namespace) -> Built:
                 "(pass the model's path)"
             ) from exc
         raise UsageError(f"cannot load {model}: {exc}") from exc
-    if args.cartridge and getattr(backend, "prefix", None) is None:
+    prefixes = backend if isinstance(backend, ServesPrefixes) else None
+    if args.cartridge and (prefixes is None or prefixes.prefix is None):
         backend.close()
         raise UsageError(f"--cartridge: the {spec.name} backend does not serve cartridges")
-    if args.fleet and getattr(backend, "fleet", None) is None:
+    if args.fleet and (prefixes is None or prefixes.fleet is None):
         backend.close()
         raise UsageError(f"--fleet: the {spec.name} backend does not serve cartridges")
-    if args.batch > 1 and not callable(getattr(backend, "step", None)):
+    if args.batch > 1 and not isinstance(backend, Batching):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
-    if (args.spec or args.spec_draft) and getattr(backend, "drafts", None) is None:
+    speculates = isinstance(backend, Speculates) and backend.drafts is not None
+    if (args.spec or args.spec_draft) and not speculates:
         log.warning("spec_not_supported", backend=spec.name, detail="decoding plainly")
     gc.collect()
     memory.trim()  # what loading the vocabulary and the weight table left behind
@@ -528,7 +530,7 @@ def load_backend(args: argparse.Namespace, ctx: int) -> Any:
     settings = ServerSettings(ctx=max(ctx, 16), threads=args.threads, kv_slots=1,
                               kv_type=getattr(args, "kv_type", "f16"), batch=1)
     backend = spec.factory(model, settings)
-    if getattr(backend, "model", None) is None or getattr(backend, "tokenizer", None) is None:
+    if not isinstance(backend, HasModel) or backend.model is None:
         backend.close()
         raise CartridgeError(f"the {spec.name} backend has no model a cartridge can be read from")
     return backend
