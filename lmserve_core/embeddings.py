@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from .backend import HasModel
 from .errors import InvalidRequest
 from .gguf_file import GGUFFile
 
@@ -298,12 +299,13 @@ def embedder_for(
     """The embedder a served backend gets: when its file declares a pooling, or when asked
     (``enabled``, or a ``pooling``); None otherwise. Raises ValueError when the backend
     cannot embed."""
-    gguf = getattr(backend, "gguf", None)
-    declared = file_pooling(gguf) if isinstance(gguf, GGUFFile) else None
+    served = isinstance(backend, HasModel) and isinstance(backend.gguf, GGUFFile)
+    declared = file_pooling(backend.gguf) if served else None
     if declared is None and not enabled and pooling is None:
         return None
-    if not isinstance(gguf, GGUFFile) or not hasattr(backend, "tokenizer"):
+    if not served:
         raise ValueError(f"the {backend.name} backend does not embed")
+    gguf = backend.gguf
     chosen = pooling or declared or "last"
     embedder = Embedder(
         backend.model, backend.tokenizer, gguf, chosen, max_tokens=backend.context_length
