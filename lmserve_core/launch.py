@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from . import __version__, logs, plugins
-from .backend import BackendSpec
+from .backend import BackendSpec, Batching, HasModel, ServesPrefixes, Speculates
 from .cartridge.file import CartridgeError, read_cartridge
 from .errors import LmserveError
 from .settings import (
@@ -149,6 +149,18 @@ def build_parser(commands: Mapping[str, plugins.CommandSpec] | None = None
         dest="webui",
         action="store_false",
         help="do not serve the chat page at / (docs/webui.md)",
+    )
+    h.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="serve /v1/embeddings with a chat model too (an embedding or reranking GGUF "
+        "serves it, and /v1/rerank, without this; docs/api-embeddings.md)",
+    )
+    h.add_argument(
+        "--pooling",
+        choices=["mean", "cls", "last", "rank"],
+        help="how embeddings pool the hidden states (default: the file's "
+        "<arch>.pooling_type, else last); implies --embeddings",
     )
     s = p.add_argument_group("scheduling and cache")
     s.add_argument(
@@ -425,6 +437,7 @@ def build(args: argparse.Namespace) -> Built:
 
     from . import memory
     from .app import create_app
+    from .embeddings import embedder_for
     from .engine import Engine
     from .native import kernels
     from .server import Server
@@ -447,22 +460,31 @@ def build(args: argparse.Namespace) -> Built:
                 "(pass the model's path)"
             ) from exc
         raise UsageError(f"cannot load {model}: {exc}") from exc
-    if args.cartridge and getattr(backend, "prefix", None) is None:
+    prefixes = backend if isinstance(backend, ServesPrefixes) else None
+    if args.cartridge and (prefixes is None or prefixes.prefix is None):
         backend.close()
         raise UsageError(f"--cartridge: the {spec.name} backend does not serve cartridges")
-    if args.fleet and getattr(backend, "fleet", None) is None:
+    if args.fleet and (prefixes is None or prefixes.fleet is None):
         backend.close()
         raise UsageError(f"--fleet: the {spec.name} backend does not serve cartridges")
-    if args.batch > 1 and not callable(getattr(backend, "step", None)):
+    if args.batch > 1 and not isinstance(backend, Batching):
         log.warning("batch_not_supported", backend=spec.name, detail="serving sequentially")
-    if (args.spec or args.spec_draft) and getattr(backend, "drafts", None) is None:
+    speculates = isinstance(backend, Speculates) and backend.drafts is not None
+    if (args.spec or args.spec_draft) and not speculates:
         log.warning("spec_not_supported", backend=spec.name, detail="decoding plainly")
     gc.collect()
     memory.trim()  # what loading the vocabulary and the weight table left behind
     if args.model_id:
         backend.model_id = args.model_id
     engine = Engine(backend, queue_size=args.queue)
-    server = Server(engine=engine, settings=settings, api_key=args.api_key or None)
+    try:
+        embedder = embedder_for(backend, enabled=args.embeddings, pooling=args.pooling)
+    except ValueError as exc:
+        backend.close()
+        raise UsageError(f"--embeddings: {exc}") from exc
+    server = Server(
+        engine=engine, settings=settings, api_key=args.api_key or None, embedder=embedder
+    )
     origins = None
     if args.cors_origins is not None:
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
@@ -508,7 +530,7 @@ def load_backend(args: argparse.Namespace, ctx: int) -> Any:
     settings = ServerSettings(ctx=max(ctx, 16), threads=args.threads, kv_slots=1,
                               kv_type=getattr(args, "kv_type", "f16"), batch=1)
     backend = spec.factory(model, settings)
-    if getattr(backend, "model", None) is None or getattr(backend, "tokenizer", None) is None:
+    if not isinstance(backend, HasModel) or backend.model is None:
         backend.close()
         raise CartridgeError(f"the {spec.name} backend has no model a cartridge can be read from")
     return backend

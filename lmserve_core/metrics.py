@@ -27,6 +27,9 @@ _DIALECTS = {
     "responses": "responses",
     "messages": "messages",
     "messages/count_tokens": "messages",
+    "embeddings": "embeddings",
+    "rerank": "rerank",
+    "reranking": "rerank",
 }
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from litestar.di import NamedDependency
 
 from .backend import Backend, ServerSettings
+from .embeddings import Embedder
 from .engine import Engine
 
 
@@ -18,6 +19,7 @@ class Server:
     engine: Engine
     settings: ServerSettings
     api_key: str | None = None
+    embedder: Embedder | None = None  # /v1/embeddings and /v1/rerank (None: not served)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from models import smollm2_path
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmserve_core.cluster import wire
@@ -170,3 +171,20 @@ def test_plain_lmserve_does_not_import_ray() -> None:
             "lmserve_core.cluster.wire; "
             "sys.exit(any(m == 'ray' or m.startswith('ray.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_cluster_help_and_checks_need_no_ray() -> None:
+    """``lmserve cluster --help`` reads without Ray; running without it is one line, exit 2."""
+    block = "import sys; sys.modules['ray'] = None; "  # as if Ray were not installed
+    run = "from lmserve_core.cli import main; sys.exit(main({argv}))"
+    helped = subprocess.run(
+        [sys.executable, "-c", block + run.format(argv=["cluster", "--help"])],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert helped.returncode == 0 and "--replicas" in helped.stdout, helped.stderr
+    ran = subprocess.run(
+        [sys.executable, "-c", block + run.format(argv=["cluster", str(smollm2_path())])],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert ran.returncode == 2
+    assert "lmserve-core[ray]" in ran.stderr and "Traceback" not in ran.stderr, ran.stderr

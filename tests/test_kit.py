@@ -26,6 +26,7 @@ from lmserve_core.kit import (
 )
 from lmserve_core.kit.family import BackendSpec, Family
 from lmserve_core.model import FamilyConventions
+from lmserve_core.native import cache as cache_mod
 from lmserve_core.native import kernels as K
 from lmserve_core.testing.gguf_writer import add_arch_metadata
 
@@ -58,9 +59,9 @@ def test_f16_rounding_matches_ieee_nearest_even(isa: Any, rng: np.random.Generat
     x = np.concatenate([edge, x, rng.standard_normal(10_000).astype(np.float32)])
     with np.errstate(over="ignore"):
         want = x.astype(np.float16)
-    got = K.f32_to_f16(x)
+    got = cache_mod.f32_to_f16(x)
     assert (got.view(np.uint16) == want.view(np.uint16)).all()
-    assert np.isnan(K.f32_to_f16(np.array([np.nan], np.float32))).all()
+    assert np.isnan(cache_mod.f32_to_f16(np.array([np.nan], np.float32))).all()
 
 
 # ---------------------------------------------------------------------------- caches
@@ -79,7 +80,7 @@ def kv_rows(rng: np.random.Generator, layer: tuple[int, int, int], n: int) -> tu
 
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 def test_cache_rows_round_trip(kv_type: str, rng: np.random.Generator) -> None:
-    cache = K.Cache(GEOMETRY, 64, kv_type)
+    cache = cache_mod.Cache(GEOMETRY, 64, kv_type)
     assert cache.bytes_per_pos == sum(h * (dk + dv) for h, dk, dv in GEOMETRY) * (
         2 if kv_type == "f16" else 4
     )
@@ -100,23 +101,23 @@ def test_cache_rows_round_trip(kv_type: str, rng: np.random.Generator) -> None:
 
 
 def test_cache_copy_and_state_keep_exact_rows(rng: np.random.Generator) -> None:
-    src = K.Cache(GEOMETRY, 32, "f16")
+    src = cache_mod.Cache(GEOMETRY, 32, "f16")
     for layer, g in enumerate(GEOMETRY):
         src.write(layer, 0, *kv_rows(rng, g, 20))
-    dst = K.Cache(GEOMETRY, 24, "f16")
+    dst = cache_mod.Cache(GEOMETRY, 24, "f16")
     src.copy_to(dst, 12)
     state = src.state(12)
     assert state.nbytes == 12 * src.bytes_per_pos
     np.testing.assert_array_equal(dst.state(12), state)
-    restored = K.Cache(GEOMETRY, 16, "f16")
+    restored = cache_mod.Cache(GEOMETRY, 16, "f16")
     restored.load(12, state)
     for layer in range(len(GEOMETRY)):
         for a, b in zip(restored.read(layer, 0, 12), src.read(layer, 0, 12), strict=True):
             np.testing.assert_array_equal(a, b)
     with pytest.raises(K.KernelMismatchError):
-        src.copy_to(K.Cache(GEOMETRY, 32, "f32"), 4)
+        src.copy_to(cache_mod.Cache(GEOMETRY, 32, "f32"), 4)
     with pytest.raises(K.KernelMismatchError):
-        src.copy_to(K.Cache(GEOMETRY[:2], 32, "f16"), 4)
+        src.copy_to(cache_mod.Cache(GEOMETRY[:2], 32, "f16"), 4)
     with pytest.raises(K.KernelValueError):
         src.copy_to(dst, 25)
     with pytest.raises(K.KernelValueError):
@@ -125,11 +126,11 @@ def test_cache_copy_and_state_keep_exact_rows(rng: np.random.Generator) -> None:
 
 def test_cache_rejects_absurd_geometry() -> None:
     with pytest.raises(K.KernelValueError):
-        K.Cache([(0, 16, 16)], 8)
+        cache_mod.Cache([(0, 16, 16)], 8)
     with pytest.raises(K.KernelValueError):
-        K.Cache([(1, 16, 16)], 8, "q8_0")
+        cache_mod.Cache([(1, 16, 16)], 8, "q8_0")
     with pytest.raises(K.KernelValueError):
-        K.Cache([(1 << 17, 16, 16)], 8)
+        cache_mod.Cache([(1 << 17, 16, 16)], 8)
 
 
 @pytest.mark.parametrize("ntok", [1, 3, 24])  # decode path, few tokens, tiled prefill path
@@ -140,7 +141,7 @@ def test_attention_over_f16_cache_equals_f32_attention_on_rounded_rows(
     pos0 = n_ctx - ntok
     k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
     q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
-    cache = K.Cache([(kv_heads, hd, hd)], n_ctx, "f16")
+    cache = cache_mod.Cache([(kv_heads, hd, hd)], n_ctx, "f16")
     cache.write(0, 0, k, v)
     rk, rv = (a.astype(np.float16).astype(np.float32).reshape(n_ctx, kv_heads, hd) for a in (k, v))
     with K.Pool(2) as pool:
@@ -161,11 +162,11 @@ def test_ring_cache_attends_like_full_rows(
     ring = window + chunk
     k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
     q = rng.standard_normal((n_ctx, heads, hd)).astype(np.float32)
-    cache = K.Cache([(kv_heads, hd, hd, ring), (kv_heads, hd, hd)], n_ctx, kv_type)
+    cache = cache_mod.Cache([(kv_heads, hd, hd, ring), (kv_heads, hd, hd)], n_ctx, kv_type)
     assert cache.rings == [ring, 0]
     row = 2 * kv_heads * hd * (2 if kv_type == "f16" else 4)
     assert cache.bytes_per_pos == row  # only the full layer grows with the context
-    assert cache.bytes == (ring + n_ctx) * row == K.cache_bytes(
+    assert cache.bytes == (ring + n_ctx) * row == cache_mod.cache_bytes(
         [(kv_heads, hd, hd, ring), (kv_heads, hd, hd)], n_ctx, kv_type
     )
     rounded = (lambda a: a.astype(np.float16).astype(np.float32)) if kv_type == "f16" else (
@@ -209,7 +210,7 @@ def test_decode_attention_of_a_token_does_not_depend_on_its_neighbours(
     k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
     q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
     pos0 = n_ctx - ntok
-    cache = K.Cache(geometry, n_ctx, kv_type)
+    cache = cache_mod.Cache(geometry, n_ctx, kv_type)
     for layer in range(2):
         for pos in range(0, n_ctx, ntok):
             cache.write(layer, pos, k[pos : pos + ntok], v[pos : pos + ntok])
@@ -228,15 +229,15 @@ def test_ring_cache_copy_and_state_keep_resident_rows(rng: np.random.Generator) 
     rows = [kv_rows(rng, g[:3], 20) for g in geometry]
     # held 5 (the ring not yet wrapped) and held 20 (wrapped: positions 14..19 resident)
     for held, n in ((5, 4), (20, 20)):
-        src = K.Cache(geometry, 32, "f32")
+        src = cache_mod.Cache(geometry, 32, "f32")
         for layer, (k, v) in enumerate(rows):
             src.write(layer, 0, k[:held], v[:held])
         state = src.state(n)
         # a state of n positions holds min(n, ring) rows of a ring layer
         assert state.nbytes == (min(n, 6) * 2 * 16 + n * 2 * 16) * 4
-        dst = K.Cache(geometry, 32, "f32")
+        dst = cache_mod.Cache(geometry, 32, "f32")
         dst.load(n, state)
-        copied = K.Cache(geometry, 32, "f32")
+        copied = cache_mod.Cache(geometry, 32, "f32")
         src.copy_to(copied, n)
         lo = max(0, n - 6)
         for cache in (dst, copied):
@@ -245,7 +246,7 @@ def test_ring_cache_copy_and_state_keep_resident_rows(rng: np.random.Generator) 
             np.testing.assert_array_equal(got_v, rows[0][1][lo:n])
             np.testing.assert_array_equal(cache.read(1, 0, n)[0], rows[1][0][:n])
     with pytest.raises(K.KernelMismatchError):  # rings of another size
-        src.copy_to(K.Cache([(1, 16, 16, 7), (2, 8, 8)], 32, "f32"), 10)
+        src.copy_to(cache_mod.Cache([(1, 16, 16, 7), (2, 8, 8)], 32, "f32"), 10)
 
 
 # ---------------------------------------------------------------------------- row ops
@@ -528,7 +529,7 @@ def test_attention_with_a_distance_bias(ntok: int, isa: Any, rng: np.random.Gene
     k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
     q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
     bias = rng.standard_normal((ntok, heads, extent)).astype(np.float32)
-    cache = K.Cache([(kv_heads, hd, hd)], n_ctx, "f32")
+    cache = cache_mod.Cache([(kv_heads, hd, hd)], n_ctx, "f32")
     cache.write(0, 0, k, v)
     kr, vr = (a.reshape(n_ctx, kv_heads, hd).astype(np.float64) for a in (k, v))
     with K.Pool(2) as pool:
@@ -577,7 +578,7 @@ def test_bidirectional_chunk_attends_to_the_whole_chunk(
     k, v = kv_rows(rng, (kv_heads, hd, hd), n_ctx)
     rk, rv = (a.reshape(n_ctx, kv_heads, hd) for a in (k, v))
     q = rng.standard_normal((ntok, heads, hd)).astype(np.float32)
-    cache = K.Cache([(kv_heads, hd, hd, window + ntok), (kv_heads, hd, hd)], n_ctx, "f32")
+    cache = cache_mod.Cache([(kv_heads, hd, hd, window + ntok), (kv_heads, hd, hd)], n_ctx, "f32")
     for pos in range(0, n_ctx, ntok):
         for layer in range(2):
             cache.write(layer, pos, k[pos : pos + ntok], v[pos : pos + ntok])

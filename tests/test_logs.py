@@ -146,13 +146,16 @@ def test_json_can_be_forced_on_a_terminal(tmp_path: Path) -> None:
 def _facts(
     host: str = "127.0.0.1", *, auth: bool = False, chat_page: bool = True
 ) -> dict[str, Any]:
+    # the whole HasSlots and HasModel groups (lmserve_core.backend): the banner reads them
     backend = SimpleNamespace(
         model_id="tiny",
         context_length=2048,
+        slots=SimpleNamespace(slots=[], disk=None),
         kv_slots=2,
         kv_bytes=3 << 29,
         gguf=SimpleNamespace(path="/models/tiny.gguf", architecture="llama"),
         model=SimpleNamespace(kv_type="f16"),
+        tokenizer=None,
     )
     return banner.facts(
         host=host,
@@ -183,7 +186,7 @@ def test_banner_lines() -> None:
         "KV cache   2 slots, 1.5 GiB f16 at full context",
         "chat page  http://127.0.0.1:8080/\n",
         "base URL http://127.0.0.1:8080/v1\n",
-        "POST /v1/chat/completions, /v1/responses, /v1/completions; GET /v1/models",
+        "POST /v1/chat/completions, /v1/responses, /v1/completions, /v1/embeddings; GET /v1/models",
         "POST /v1/messages",
         "API key    none",
     ):

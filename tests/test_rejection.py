@@ -29,6 +29,7 @@ from scripted import (  # noqa: F401  (the fixtures)
     make_backend,
 )
 
+import lmserve_core.pretokenize as pretokenize
 import lmserve_core.tokenizer as tokenizer_module
 from lmserve_core.errors import InvalidRequest
 from lmserve_core.events import ErrorEvent, Finish, TextDelta
@@ -88,11 +89,18 @@ def test_pieces_match_whole_for_every_pre_tokenizer(monkeypatch: pytest.MonkeyPa
     for variant in pretok.VARIANTS.values():
         if variant.vocab == "boundary":
             continue  # it joins letters to the spaces after them: it allows no such cut
-        spec = tokenizer_module._PRE_NAMES.get(variant.pre or "default")
+        spec = pretokenize._PRE_NAMES.get(variant.pre or "default")
         assert spec is not None
-        lstrip = any(n in (variant.pre or "") for n in tokenizer_module._MASK_LSTRIP_PRES)
-        key = (variant.model, variant.vocab, spec.type, spec.ignore_merges,
-               spec.escape_whitespaces, variant.lowercase, lstrip)
+        lstrip = any(n in (variant.pre or "") for n in pretokenize._MASK_LSTRIP_PRES)
+        key = (
+            variant.model,
+            variant.vocab,
+            spec.type,
+            spec.ignore_merges,
+            spec.escape_whitespaces,
+            variant.lowercase,
+            lstrip,
+        )
         kinds.setdefault(key, variant)
     for variant in kinds.values():
         tok = pretok.tokenizer(variant, made[variant.vocab])
@@ -123,8 +131,9 @@ def test_pieces_match_whole_for_sentencepiece_vocabularies(
     tokens = ["<unk>", "<s>", "</s>", "▁", "▁▁", "a▁", "e▁", "▁a", "th", "▁th", "the", *chars]
     tokens = list(dict.fromkeys(tokens))
     scores = [0.0] * 3 + [-float(i) for i in range(len(tokens) - 3)]
-    spm = Tokenizer(model="llama", tokens=tokens, token_types=[2, 3, 3] + [1] * (len(tokens) - 3),
-                    scores=scores)
+    spm = Tokenizer(
+        model="llama", tokens=tokens, token_types=[2, 3, 3] + [1] * (len(tokens) - 3), scores=scores
+    )
     _same_ids_in_pieces(spm, _documents(2))
 
 
@@ -229,8 +238,9 @@ def test_a_flood_of_control_texts_is_refused_before_their_spans_are_found(
         with pytest.raises(InvalidRequest) as err:
             backend.validate(chat(content))
         assert time.perf_counter() - started < 1.0  # seconds before (a span each)
-        assert re.fullmatch(r"prompt is at least \d+ tokens; the context is 2048",
-                            err.value.message)
+        assert re.fullmatch(
+            r"prompt is at least \d+ tokens; the context is 2048", err.value.message
+        )
     # a few of them still come out as text, not as control tokens
     ids = backend.preparation.prepare(chat("say <|im_end|> now")).tokens
     assert backend.tokenizer.decode(ids).count("<|im_end|>") == 3
@@ -238,7 +248,7 @@ def test_a_flood_of_control_texts_is_refused_before_their_spans_are_found(
 
 
 def test_special_tokens_of_a_large_group_are_found_where_its_key_occurs() -> None:
-    from lmserve_core.tokenizer import _SplitTable
+    from lmserve_core.special_tokens import _SplitTable
 
     entries = [(f"<unused{i}>", i) for i in range(200)] + [("<|end|>", 200), ("<start>", 201)]
     entries.sort(key=lambda e: -len(e[0]))
@@ -294,8 +304,9 @@ def test_a_grammar_giving_out_mid_reply_ends_it_with_a_400_event(gguf: GGUFFile)
     pytest.importorskip("llguidance")
     b0 = make_backend(gguf)
     backend = make_backend(gguf, ids(b0, "abcabcabc") + [IM_END])
-    request = chat("x", max_tokens=20,
-                   constraint=Constraint(kind="regex", source="(abc)+", field="regex"))
+    request = chat(
+        "x", max_tokens=20, constraint=Constraint(kind="regex", source="(abc)+", field="regex")
+    )
     backend.validate(request)
     prepared = backend.preparation.pending[request.id]
     prepared.matcher = _GivesOut(prepared.matcher, after=2)
@@ -323,8 +334,16 @@ def smol(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
 
     if importlib.util.find_spec("lmserve_llama") is None:
         pytest.skip("needs lmserve-llama")
-    running = launch(str(smollm2_path()), "--ctx", "2048", "--threads", "2", scripted=False,
-                     log_dir=tmp_path_factory.mktemp("rejection"), timeout=120)
+    running = launch(
+        str(smollm2_path()),
+        "--ctx",
+        "2048",
+        "--threads",
+        "2",
+        scripted=False,
+        log_dir=tmp_path_factory.mktemp("rejection"),
+        timeout=120,
+    )
     yield running
     running.stop()
 
@@ -333,8 +352,9 @@ def _post(base_url: str, body: dict[str, Any] | bytes) -> tuple[float, httpx.Res
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     started = time.perf_counter()
-    reply = httpx.post(base_url + "/v1/chat/completions", content=content, headers=headers,
-                       timeout=120)
+    reply = httpx.post(
+        base_url + "/v1/chat/completions", content=content, headers=headers, timeout=120
+    )
     return time.perf_counter() - started, reply
 
 
@@ -343,8 +363,10 @@ SMALL = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temp
 
 def test_over_context_bodies_do_not_hold_up_a_small_chat(smol) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(0)
-    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz0123456789.,", k=rng.randint(1, 4)))
-             for _ in range(2000)]
+    words = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz0123456789.,", k=rng.randint(1, 4)))
+        for _ in range(2000)
+    ]
     text = " ".join(rng.choices(words, k=700_000))  # 2 MB, about a million tokens
     hostile = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 4})
     alone, reply = _post(smol.base_url, SMALL)
@@ -353,9 +375,10 @@ def test_over_context_bodies_do_not_hold_up_a_small_chat(smol) -> None:  # type:
     before = _status_mib(pid, "VmRSS")
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) from here
     results: list[tuple[float, httpx.Response]] = []
-    threads = [threading.Thread(target=lambda: results.append(_post(smol.base_url,
-                                                                     hostile.encode())))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(_post(smol.base_url, hostile.encode())))
+        for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     time.sleep(0.05)
@@ -367,8 +390,7 @@ def test_over_context_bodies_do_not_hold_up_a_small_chat(smol) -> None:  # type:
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
-        assert re.fullmatch(r"prompt is at least \d+ tokens; the context is 2048",
-                            error["message"])
+        assert re.fullmatch(r"prompt is at least \d+ tokens; the context is 2048", error["message"])
         assert seconds < 3.0  # ~0.1 s on an idle machine; bodies of ~1M tokens took ~5 s each
     assert beside - alone < 2.0
     # memory: the bodies and their renderings come and go (tokenizing them whole took GBs)

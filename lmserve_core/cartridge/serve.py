@@ -74,7 +74,7 @@ class PrefixRows:
         }
 
     def write(self, native: Any) -> None:
-        """Rows ``[0, p)`` of every layer of a kit cache (``kernels.Cache``)."""
+        """Rows ``[0, p)`` of every layer of a kit cache (``lmserve_core.native.cache.Cache``)."""
         for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
             native.write(layer, 0, k, v)
 

@@ -13,7 +13,7 @@ import structlog
 from litestar import MediaType, Request, Response, post
 from litestar.params import JSONBody
 
-from ..backend import Capabilities
+from ..backend import Capabilities, CountsTokens
 from ..errors import InvalidRequest
 from ..request import (
     Constraint,
@@ -445,10 +445,11 @@ async def count_tokens(data: JSONBody[CountTokensRequest], server: ServerDep) ->
     # Backends on the generic GGUF path count the prompt exactly as it will be fed
     # (chat template included); others get an estimate from a plain rendering.
     # Off the event loop, on the engine's preparation threads: a long prompt takes seconds.
-    counter = getattr(server.backend, "count_tokens", None)
-    if callable(counter):
-        return {"input_tokens": int(await server.engine.prepare(counter, normalized))}
-    ids = await server.engine.prepare(_count_plain, server.backend, normalized)
+    backend = server.backend
+    if isinstance(backend, CountsTokens):
+        count = await server.engine.prepare(backend.count_tokens, normalized)
+        return {"input_tokens": int(count)}
+    ids = await server.engine.prepare(_count_plain, backend, normalized)
     return {"input_tokens": len(ids)}
 
 

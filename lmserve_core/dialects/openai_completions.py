@@ -14,6 +14,7 @@ from anyio import to_thread
 from litestar import Request, Response, post
 from litestar.params import JSONBody
 
+from ..backend import HasVocabulary
 from ..errors import InvalidRequest
 from ..events import ErrorEvent, Event, Finish, ReasoningDelta, TextDelta, TokenLogprob, Usage
 from ..server import ServerDep
@@ -152,7 +153,7 @@ async def completions(
     """Legacy text completion, streaming (SSE) or not."""
     completion_id = new_id("cmpl-")
     backend = server.backend
-    vocab = getattr(backend, "vocab_size", None)
+    vocab = backend.vocab_size if isinstance(backend, HasVocabulary) else None
     prompts = completion_request(
         data,
         backend.capabilities,

@@ -13,6 +13,7 @@ from anyio import to_thread
 from litestar import post
 from litestar.params import JSONBody
 
+from ..backend import HasVocabulary
 from ..errors import InvalidRequest, LmserveError
 from ..server import Server, ServerDep
 
@@ -39,7 +40,8 @@ def _piece_json(piece: bytes) -> str | list[int]:
 
 
 def _check_ids(server: Server, ids: list[int]) -> None:
-    vocab = getattr(server.backend, "vocab_size", None)
+    backend = server.backend
+    vocab = backend.vocab_size if isinstance(backend, HasVocabulary) else None
     for i, token in enumerate(ids):
         if token < 0 or (isinstance(vocab, int) and token >= vocab):
             raise InvalidRequest(f"'tokens[{i}]': token id {token} is out of range", param="tokens")

@@ -6,302 +6,161 @@ reaches C and turns status codes into exceptions.
 
 from __future__ import annotations
 
-import contextlib
-import enum
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from lmserve_core._kernels import ffi, lib
-
-F32Array = npt.NDArray[np.float32]
-
-
-def _c_enum(name: str, c_enum: str, prefix: str) -> Any:
-    # The C header is the one list of these values; Python reads it from the compiled module.
-    members = {k.removeprefix(prefix): v for k, v in ffi.typeof(c_enum).relements.items()}
-    return enum.IntEnum(name, sorted(members.items(), key=lambda kv: kv[1]))
-
-
-QuantType = _c_enum("QuantType", "enum lm_type", "LM_")
-QuantType.__doc__ = (
-    "Tensor types the kernels handle; values are GGML's type ids (lm_type), but for Q2_0_128: "
-    "lmserve's id of the 128-element layout of GGML type 42 (Q2_0 is its 64-element one)."
+from .binding import (
+    _R16_TYPE as _R16_TYPE,
 )
-Interleaved = _c_enum("Interleaved", "enum lm_r16_type", "LM_")
-Interleaved.__doc__ = (
-    "Layouts the kit rewrites Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices into (lm_r16_type): "
-    "the same bytes, "
-    "16 rows interleaved block column by block column; never a GGUF's type."
+from .binding import (
+    CACHE_TYPES as CACHE_TYPES,
 )
-# The interleaved layout of each type that has one, whether or not this CPU gains from it.
-_R16_TYPE: dict[int, int] = {int(QuantType[i.name.removesuffix("_R16")]): int(i) for i in Interleaved}
-Isa = _c_enum("Isa", "enum lm_isa", "LM_ISA_")
-Isa.__doc__ = "Instruction-set paths of the kernels (lm_isa)."
-RopeMode = _c_enum("RopeMode", "enum lm_rope_mode", "LM_ROPE_")
-RopeMode.__doc__ = "Which dimensions RoPE rotates together: (2i, 2i+1) or (i, i + n_rot/2)."
-Activation = _c_enum("Activation", "enum lm_act", "LM_ACT_")
-Activation.__doc__ = "Gate activation of a gated feed-forward (lm_act)."
-DecodePrecision = _c_enum("DecodePrecision", "enum lm_decode_precision", "LM_DECODE_")
-DecodePrecision.__doc__ = (
-    "Activations of the few-token products (decode, short chunks): F32, or I16 (int16 per "
-    "group of 32 with integer products; lm_decode_precision)."
+from .binding import (
+    DECODE_LAYOUTS as DECODE_LAYOUTS,
 )
-#: ``--decode-precision`` names of the precisions.
-DECODE_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
-PrefillPrecision = _c_enum("PrefillPrecision", "enum lm_prefill_precision", "LM_PREFILL_")
-PrefillPrecision.__doc__ = (
-    "Activations of the many-token products (prefill): F32, or I16 (decode's int16 products "
-    "on the interleaved matrices, the f32 GEMM elsewhere; lm_prefill_precision)."
+from .binding import (
+    DECODE_MAX_ROWS as DECODE_MAX_ROWS,
 )
-#: ``--prefill-precision`` names of the precisions.
-PREFILL_PRECISIONS: dict[str, int] = {"int16": 1, "f32": 0}
-#: Query rows a forward pass of one sequence may have and still run decode's kernels, which
-#: give each row the bits it gets in a pass of its own (``LM_DECODE_MAX_ROWS``; the C side
-#: checks its thresholds against it): speculative verification stays within it.
-DECODE_MAX_ROWS: int = int(lib.LM_DECODE_MAX_ROWS)
-
-#: Every type id a weight matrix may have (GGML's, and Q2_0_128 for the type-42 tensors that
-#: ``gguf_file`` finds in that layout): what families accept for their matrices.
-MATRIX_TYPES: tuple[int, ...] = tuple(int(t) for t in QuantType)
-#: Matrices the kit keeps in another layout holding exactly the same values, because decode's
-#: products read it faster: Q5_0's 5-bit integers widened to Q8_0's bytes (about half the
-#: unpack work per weight for 1.5x the bytes; see ``NativeForwardModel.matrix``).
-DECODE_LAYOUTS: dict[int, int] = {int(QuantType.Q5_0): int(QuantType.Q8_0)}
-#: Storage types of a KV cache, by the name ``--kv-type`` takes.
-CACHE_TYPES: dict[str, int] = {"f16": int(QuantType.F16), "f32": int(QuantType.F32)}
-
-
-class KernelError(RuntimeError):
-    """A kernel returned a failure status."""
-
-    status: int = 0
-
-
-class KernelValueError(KernelError, ValueError):
-    """A size, index or pointer argument was invalid (``LM_EINVAL``)."""
-
-    status = -1
-
-
-class KernelMemoryError(KernelError, MemoryError):
-    """Scratch memory could not be allocated (``LM_ENOMEM``)."""
-
-    status = -2
-
-
-class KernelTypeError(KernelError, TypeError):
-    """The tensor type is not supported (``LM_ETYPE``)."""
-
-    status = -3
-
-
-class KernelIsaError(KernelError):
-    """The CPU lacks the requested instruction set (``LM_EISA``)."""
-
-    status = -4
-
-
-class KernelAbiError(KernelError):
-    """A family module was built against another kit ABI than this core (``LM_EABI``)."""
-
-    status = -5
-
-
-class KernelMismatchError(KernelError, ValueError):
-    """A cache of another geometry or type than the model's (``LM_EMISMATCH``)."""
-
-    status = -6
-
-
-_ERRORS: dict[int, type[KernelError]] = {
-    cls.status: cls
-    for cls in (
-        KernelValueError,
-        KernelMemoryError,
-        KernelTypeError,
-        KernelIsaError,
-        KernelAbiError,
-        KernelMismatchError,
-    )
-}
-
-
-def check(status: int, what: str = "kernel call") -> None:
-    """Raise the exception that matches a status code; return on ``LM_OK``."""
-    if status == 0:
-        return
-    cls = _ERRORS.get(status, KernelError)
-    raise cls(f"{what} failed with status {status}")
-
-
-# ------------------------------------------------------------------ types
-def _type_id(qtype: int) -> int:
-    t = int(qtype)
-    if lib.lm_type_block_elems(t) <= 0:
-        raise KernelTypeError(f"unsupported tensor type {t}")
-    return t
-
-
-def block_elems(qtype: int) -> int:
-    """Elements per block of ``qtype``."""
-    return int(lib.lm_type_block_elems(_type_id(qtype)))
-
-
-def block_bytes(qtype: int) -> int:
-    """Bytes per block of ``qtype``."""
-    return int(lib.lm_type_block_bytes(_type_id(qtype)))
-
-
-def row_bytes(qtype: int, n: int) -> int:
-    """Bytes of an ``n``-element row of ``qtype``; ValueError if n is not whole blocks."""
-    size = int(lib.lm_row_bytes(_type_id(qtype), int(n)))
-    if size < 0:
-        name = QuantType(int(qtype)).name
-        raise KernelValueError(f"{n} elements is not a whole number of {name} blocks")
-    return size
-
-
-# ------------------------------------------------------------------ ISA
-def isa_best() -> enum.IntEnum:
-    """Best instruction set the CPU supports."""
-    return Isa(lib.lm_isa_best())
-
-
-def isa_active() -> enum.IntEnum:
-    """Instruction set the kernels currently use."""
-    return Isa(lib.lm_isa_active())
-
-
-def select_isa(isa: int) -> None:
-    """Make the kernels use ``isa`` process-wide; KernelIsaError if the CPU lacks it."""
-    check(lib.lm_isa_select(int(isa)), f"select ISA {isa}")
-
-
-def kernels_name() -> str:
-    """The kernels' active path as the banner and ``/v1/models`` show it: ``avx2``,
-    ``avx512``, ``neon_dotprod``, ``neon_i8mm`` or ``portable``."""
-    return Isa(lib.lm_isa_active()).name.lower()
-
-
-def available_isas() -> list[enum.IntEnum]:
-    """Every path this CPU can run, portable first."""
-    return [isa for isa in Isa if lib.lm_isa_available(int(isa))]
-
-
-@contextlib.contextmanager
-def _selected(
-    active: Callable[[], enum.IntEnum], select: Callable[[int], None], value: int
-) -> Iterator[enum.IntEnum]:
-    """Run a block with ``value`` selected, then restore the previous selection."""
-    previous = active()
-    select(value)
-    try:
-        yield active()
-    finally:
-        select(previous)
-
-
-def use_isa(isa: int) -> contextlib.AbstractContextManager[enum.IntEnum]:
-    """Run a block with ``isa`` selected, then restore the previous selection."""
-    return _selected(isa_active, select_isa, isa)
-
-
-# ------------------------------------------------------------------ precisions
-def decode_precision() -> enum.IntEnum:
-    """Activation precision of the few-token products, process-wide."""
-    return DecodePrecision(lib.lm_decode_precision_active())
-
-
-def select_decode_precision(precision: int) -> None:
-    """Make the few-token products use ``precision`` (a DecodePrecision) process-wide."""
-    check(lib.lm_decode_precision_select(int(precision)), f"select decode precision {precision}")
-
-
-def use_decode_precision(precision: int) -> contextlib.AbstractContextManager[enum.IntEnum]:
-    """Run a block with ``precision`` selected, then restore the previous selection."""
-    return _selected(decode_precision, select_decode_precision, precision)
-
-
-def prefill_precision() -> enum.IntEnum:
-    """Activation precision of the many-token products, process-wide."""
-    return PrefillPrecision(lib.lm_prefill_precision_active())
-
-
-def select_prefill_precision(precision: int) -> None:
-    """Make the many-token products use ``precision`` (a PrefillPrecision) process-wide."""
-    check(lib.lm_prefill_precision_select(int(precision)), f"select prefill precision {precision}")
-
-
-def use_prefill_precision(precision: int) -> contextlib.AbstractContextManager[enum.IntEnum]:
-    """Run a block with ``precision`` selected for prefill, then restore the previous one."""
-    return _selected(prefill_precision, select_prefill_precision, precision)
-
-
-# ------------------------------------------------------------------ pool
-class Pool:
-    """A persistent native thread pool (the calling thread is thread 0)."""
-
-    def __init__(self, n_threads: int = 0) -> None:
-        ptr = lib.lm_pool_new(int(n_threads))
-        if ptr == ffi.NULL:
-            raise KernelMemoryError("could not create the thread pool")
-        self._ptr: Any = ptr
-
-    @property
-    def ptr(self) -> Any:
-        """The ``lm_pool *`` to pass to kernels (NULL once closed)."""
-        return self._ptr
-
-    @property
-    def size(self) -> int:
-        """Threads, the caller included."""
-        return int(lib.lm_pool_size(self._ptr))
-
-    def close(self) -> None:
-        """Stop and join the workers; idempotent."""
-        if self._ptr != ffi.NULL:
-            ptr, self._ptr = self._ptr, ffi.NULL
-            lib.lm_pool_free(ptr)
-
-    def __enter__(self) -> Pool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-def _pool_ptr(pool: Pool | None) -> Any:
-    return ffi.NULL if pool is None else pool.ptr
-
-
-# ------------------------------------------------------------------ buffers
-def _f32(a: npt.ArrayLike) -> F32Array:
-    return np.ascontiguousarray(a, dtype=np.float32)
-
-
-def _raw(raw: npt.ArrayLike) -> npt.NDArray[np.uint8]:
-    """Any contiguous buffer (or array) as flat bytes; no copy when already contiguous."""
-    return np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-
-
-def _fbuf(a: F32Array) -> Any:
-    return ffi.from_buffer("float[]", a)
-
-
-def _ubuf(a: npt.NDArray[np.uint8]) -> Any:
-    return ffi.from_buffer("uint8_t[]", a)
-
-
-def _need(raw: npt.NDArray[np.uint8], size: int, what: str) -> None:
-    if raw.nbytes < size:
-        raise KernelValueError(f"{what}: need {size} bytes, got {raw.nbytes}")
+from .binding import (
+    DECODE_PRECISIONS as DECODE_PRECISIONS,
+)
+from .binding import (
+    MATRIX_TYPES as MATRIX_TYPES,
+)
+from .binding import (
+    PREFILL_PRECISIONS as PREFILL_PRECISIONS,
+)
+from .binding import (
+    Activation as Activation,
+)
+from .binding import (
+    DecodePrecision as DecodePrecision,
+)
+from .binding import (
+    F32Array as F32Array,
+)
+from .binding import (
+    Interleaved as Interleaved,
+)
+from .binding import (
+    Isa as Isa,
+)
+from .binding import (
+    KernelAbiError as KernelAbiError,
+)
+from .binding import (
+    KernelError as KernelError,
+)
+from .binding import (
+    KernelIsaError as KernelIsaError,
+)
+from .binding import (
+    KernelMemoryError as KernelMemoryError,
+)
+from .binding import (
+    KernelMismatchError as KernelMismatchError,
+)
+from .binding import (
+    KernelTypeError as KernelTypeError,
+)
+from .binding import (
+    KernelValueError as KernelValueError,
+)
+from .binding import (
+    Pool as Pool,
+)
+from .binding import (
+    PrefillPrecision as PrefillPrecision,
+)
+from .binding import (
+    QuantType as QuantType,
+)
+from .binding import (
+    RopeMode as RopeMode,
+)
+
+# the shared part of every call, re-exported: callers name it kernels.X
+from .binding import (
+    _f32 as _f32,
+)
+from .binding import (
+    _fbuf as _fbuf,
+)
+from .binding import (
+    _need as _need,
+)
+from .binding import (
+    _pool_ptr as _pool_ptr,
+)
+from .binding import (
+    _raw as _raw,
+)
+from .binding import (
+    _type_id as _type_id,
+)
+from .binding import (
+    _ubuf as _ubuf,
+)
+from .binding import (
+    available_isas as available_isas,
+)
+from .binding import (
+    block_bytes as block_bytes,
+)
+from .binding import (
+    block_elems as block_elems,
+)
+from .binding import (
+    check as check,
+)
+from .binding import (
+    decode_precision as decode_precision,
+)
+from .binding import (
+    ffi as ffi,
+)
+from .binding import (
+    isa_active as isa_active,
+)
+from .binding import (
+    isa_best as isa_best,
+)
+from .binding import (
+    kernels_name as kernels_name,
+)
+from .binding import (
+    lib as lib,
+)
+from .binding import (
+    prefill_precision as prefill_precision,
+)
+from .binding import (
+    row_bytes as row_bytes,
+)
+from .binding import (
+    select_decode_precision as select_decode_precision,
+)
+from .binding import (
+    select_isa as select_isa,
+)
+from .binding import (
+    select_prefill_precision as select_prefill_precision,
+)
+from .binding import (
+    use_decode_precision as use_decode_precision,
+)
+from .binding import (
+    use_isa as use_isa,
+)
+from .binding import (
+    use_prefill_precision as use_prefill_precision,
+)
+
+if TYPE_CHECKING:
+    from .cache import Cache
 
 
 # ------------------------------------------------------------------ rows
@@ -696,238 +555,7 @@ def matmuls(
     return outs
 
 
-def f32_to_f16(x: npt.ArrayLike) -> npt.NDArray[np.float16]:
-    """x rounded to half precision by the active ISA's conversion (what f16 caches store)."""
-    xs = _f32(x).reshape(-1)
-    if xs.size == 0:
-        return np.zeros(np.shape(x), np.float16)
-    width = 1024
-    rows = -(-xs.size // width)
-    padded = np.zeros(rows * width, np.float32)
-    padded[: xs.size] = xs
-    with Cache([(1, width, width)], rows, "f16") as cache:
-        cache.write(0, 0, padded.reshape(rows, width), padded.reshape(rows, width))
-        k = cache.state(rows)[: 2 * rows * width]  # the layer's K rows come first
-        return k.view(np.float16)[: xs.size].reshape(np.shape(x)).copy()
-
-
-# ------------------------------------------------------------------ KV caches
-CacheGeometry = tuple[int, int, int]  # (n_kv_head, head_dim_k, head_dim_v) of one layer
-
-
-def _layers(layers: Any) -> Any:
-    """An ``lm_cache_layer[]`` from cdata or (n_kv_head, head_dim_k, head_dim_v[, ring[,
-    state]]) tuples (ring 0 or absent: a row per position; state: f32 values of a recurrent
-    state, 0 or absent: none)."""
-    if isinstance(layers, ffi.CData):
-        return layers
-    out = ffi.new("lm_cache_layer[]", max(len(layers), 1))
-    for i, layer in enumerate(layers):
-        if isinstance(layer, ffi.CData):
-            out[i] = layer
-        else:
-            values = [int(v) for v in layer]
-            out[i].n_kv_head, out[i].head_dim_k, out[i].head_dim_v = values[:3]
-            out[i].ring = values[3] if len(values) > 3 else 0
-            out[i].state = values[4] if len(values) > 4 else 0
-    return out
-
-
-def cache_bytes(layers: Any, n_ctx: int, kv_type: str = "f16", n_layer: int | None = None) -> int:
-    """Bytes of a whole cache of ``n_ctx`` positions (rings of sliding-window layers
-    included) once every row is written."""
-    arr = _layers(layers)
-    n = len(layers) if n_layer is None else n_layer
-    size = int(lib.lm_cache_bytes(n, arr, int(n_ctx), _cache_type(kv_type)))
-    check(min(size, 0), "cache_bytes")
-    return size
-
-
-def cache_bytes_per_pos(layers: Any, n_layer: int | None = None, kv_type: str = "f16") -> int:
-    """Bytes one position takes in a cache of this geometry (K and V of every layer with a
-    row per position; ring layers take a fixed size, see :func:`cache_bytes`)."""
-    arr = _layers(layers)
-    n = len(layers) if n_layer is None else n_layer
-    size = int(lib.lm_cache_bytes_per_pos(n, arr, _cache_type(kv_type)))
-    check(min(size, 0), "cache_bytes_per_pos")
-    return size
-
-
-def _cache_type(kv_type: str) -> int:
-    try:
-        return CACHE_TYPES[kv_type]
-    except KeyError:
-        raise KernelValueError(
-            f"KV cache type {kv_type!r}: expected one of {', '.join(CACHE_TYPES)}"
-        ) from None
-
-
-class Cache:
-    """A native KV cache of ``n_ctx`` positions (pages commit lazily).
-
-    ``layers`` is the geometry of every layer: ``lm_cache_layer`` cdata or
-    (n_kv_head, head_dim_k, head_dim_v[, ring]) tuples. ``kv_type`` is "f16" or "f32". A
-    layer with a ring smaller than ``n_ctx`` keeps only the last ``ring`` positions written
-    (``rings``; 0 for a row per position).
-    """
-
-    def __init__(
-        self, layers: Any, n_ctx: int, kv_type: str = "f16", *, n_layer: int | None = None
-    ) -> None:
-        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
-            raise KernelValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
-        arr = _layers(layers)
-        n = len(layers) if n_layer is None else n_layer
-        out = ffi.new("lm_cache **")
-        check(lib.lm_cache_new(n, arr, n_ctx, _cache_type(kv_type), out), "cache_new")
-        self.bytes_per_pos = cache_bytes_per_pos(arr, n, kv_type)
-        self.bytes = cache_bytes(arr, n_ctx, kv_type, n)
-        self._ptr: Any = ffi.gc(out[0], lib.lm_cache_free, size=self.bytes)
-        self.n_ctx = n_ctx
-        self.n_layer = n
-        self.kv_type = kv_type
-        self.layers: list[CacheGeometry] = [
-            (int(arr[i].n_kv_head), int(arr[i].head_dim_k), int(arr[i].head_dim_v))
-            for i in range(n)
-        ]
-        self.rings: list[int] = [
-            int(arr[i].ring) if 0 < int(arr[i].ring) < n_ctx else 0 for i in range(n)
-        ]
-        # f32 values of each layer's recurrent state (0: a layer of K/V rows only)
-        self.states: list[int] = [int(arr[i].state) for i in range(n)]
-
-    @property
-    def ptr(self) -> Any:
-        """The ``lm_cache *``; KernelValueError once closed."""
-        if self._ptr is None:
-            raise KernelValueError("the cache is closed")
-        return self._ptr
-
-    def write(self, layer: int, pos0: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None:
-        """Rows pos0.. of one layer from f32 k (ntok, kv_dim_k) and v (ntok, kv_dim_v)."""
-        ks, vs = _f32(k), _f32(v)
-        ntok = ks.shape[0] if ks.ndim else 0
-        geo = self._geometry(layer)
-        if ks.size != ntok * geo[0] * geo[1] or vs.size != ntok * geo[0] * geo[2]:
-            raise KernelValueError(f"k/v shapes {ks.shape}/{vs.shape} do not fit layer {layer}")
-        check(lib.lm_cache_write(self.ptr, layer, pos0, ntok, _fbuf(ks), _fbuf(vs)), "cache_write")
-
-    def read(self, layer: int, pos0: int, ntok: int) -> tuple[F32Array, F32Array]:
-        """Rows pos0.. of one layer as f32 (ntok, kv_dim_k) and (ntok, kv_dim_v)."""
-        geo = self._geometry(layer)
-        k = np.empty((ntok, geo[0] * geo[1]), np.float32)
-        v = np.empty((ntok, geo[0] * geo[2]), np.float32)
-        check(lib.lm_cache_read(self.ptr, layer, pos0, ntok, _fbuf(k), _fbuf(v)), "cache_read")
-        return k, v
-
-    def _geometry(self, layer: int) -> CacheGeometry:
-        if not 0 <= layer < self.n_layer:
-            raise KernelValueError(f"layer {layer} outside [0, {self.n_layer})")
-        return self.layers[layer]
-
-    def copy_to(self, dst: Cache, n: int) -> None:
-        """Positions [0, n) of every layer into ``dst`` (same geometry and type)."""
-        check(lib.lm_cache_copy(self.ptr, dst.ptr, int(n)), "cache_copy")
-
-    def state(self, n: int) -> npt.NDArray[np.uint8]:
-        """The state of positions [0, n) as bytes (what :meth:`load` takes back)."""
-        size = int(lib.lm_cache_state_bytes(self.ptr, int(n)))
-        check(min(size, 0), "cache_state_bytes")
-        buf = np.empty(size, np.uint8)
-        check(lib.lm_cache_save(self.ptr, int(n), _ubuf(buf), size), "cache_save")
-        return buf
-
-    def load(self, n: int, state: npt.ArrayLike) -> None:
-        """Restore positions [0, n) from :meth:`state`'s bytes."""
-        data = _raw(state)
-        check(lib.lm_cache_load(self.ptr, int(n), _ubuf(data), data.nbytes), "cache_load")
-
-    @property
-    def recurrent_bytes(self) -> int:
-        """Bytes of every layer's recurrent state (0 for a cache of K/V rows only)."""
-        size = int(lib.lm_cache_recurrent_bytes(self.ptr))
-        check(min(size, 0), "cache_recurrent_bytes")
-        return size
-
-    def recurrent_state(self) -> npt.NDArray[np.uint8]:
-        """Every layer's recurrent state as bytes: what it carries past the last position
-        written (:meth:`load_recurrent` takes it back)."""
-        buf = np.empty(self.recurrent_bytes, np.uint8)
-        check(lib.lm_cache_recurrent_save(self.ptr, _ubuf(buf), buf.nbytes), "cache_recurrent_save")
-        return buf
-
-    def load_recurrent(self, state: npt.ArrayLike) -> None:
-        """Set every layer's recurrent state from :meth:`recurrent_state`'s bytes."""
-        data = _raw(state)
-        check(lib.lm_cache_recurrent_load(self.ptr, _ubuf(data), data.nbytes), "cache_recurrent_load")
-
-    def copy_recurrent_to(self, dst: Cache) -> None:
-        """Every layer's recurrent state into ``dst`` (same geometry and type)."""
-        check(lib.lm_cache_recurrent_copy(self.ptr, dst.ptr), "cache_recurrent_copy")
-
-    def layer_state(self, layer: int) -> F32Array:
-        """A copy of one layer's recurrent state (f32)."""
-        size = self.states[self._geometry_index(layer)]
-        ptr = lib.lm_cache_layer_state(self.ptr, layer)
-        if size == 0 or ptr == ffi.NULL:
-            raise KernelValueError(f"layer {layer} has no recurrent state")
-        return np.frombuffer(ffi.buffer(ptr, 4 * size), np.float32).copy()
-
-    def _geometry_index(self, layer: int) -> int:
-        if not 0 <= layer < self.n_layer:
-            raise KernelValueError(f"layer {layer} outside [0, {self.n_layer})")
-        return layer
-
-    def attention(
-        self, layer: int, q: npt.ArrayLike, pos0: int, scale: float, window: int = 0,
-        softcap: float = 0.0, pool: Pool | None = None, bias: npt.ArrayLike | None = None,
-        *, bidirectional: bool = False,
-    ) -> F32Array:
-        """Attention of q (ntok, n_head, head_dim) over this layer's rows [0, pos0 + ntok):
-        causal, or with ``bidirectional`` every query over the rows of the whole chunk and the
-        window before pos0.
-
-        ``bias`` (ntok, n_head, extent): bias[t, h, d] is added to the scaled score of query
-        (t, h) and the key d positions before it, for d < extent (causal only).
-        """
-        qs = _f32(q)
-        if qs.ndim != 3:
-            raise KernelValueError("q must be (ntok, n_head, head_dim)")
-        bs = None if bias is None else _f32(bias)
-        if bs is not None and (bs.ndim != 3 or bs.shape[:2] != qs.shape[:2] or not bs.shape[2]):
-            raise KernelValueError("bias must be (ntok, n_head, extent)")
-        if bs is not None and bidirectional:
-            raise KernelValueError("a distance bias is causal: not with bidirectional")
-        out = np.empty_like(qs)
-        check(
-            lib.lm_attention_cached_bias(
-                _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
-                qs.shape[1], float(scale), int(window), float(softcap),
-                ffi.NULL if bs is None else _fbuf(bs), 0 if bs is None else bs.shape[2],
-            )
-            if not bidirectional
-            else lib.lm_attention_cached_span(
-                _pool_ptr(pool), _fbuf(qs), self.ptr, layer, _fbuf(out), qs.shape[0], int(pos0),
-                qs.shape[1], float(scale), int(window), float(softcap), 1,
-            ),
-            "attention_cached",
-        )
-        return out
-
-    def close(self) -> None:
-        """Release the memory now instead of at garbage collection."""
-        if self._ptr is not None:
-            ffi.release(self._ptr)
-            self._ptr = None
-
-    def __enter__(self) -> Cache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ------------------------------------------------------------------ family models
+# ------------------------------------------------------------------ KV caches: native/cache.py
 def kit_table() -> int:
     """Address of the kit's function table, for a family module's ``lm_kit_bind``."""
     return int(ffi.cast("uintptr_t", lib.lm_kit_table()))
@@ -971,10 +599,11 @@ def forward(
 
 def forward_batch(
     base: Any, caches: Sequence[Cache], tokens: npt.NDArray[np.int32],
-    ntoks: npt.NDArray[np.int64], pos: npt.NDArray[np.int64], logits: F32Array,
+    ntoks: npt.NDArray[np.int64], pos: npt.NDArray[np.int64], logits: F32Array | None,
 ) -> None:
     """One weight pass over several sequences (``lm_forward_batch``): sequence i runs
-    ``ntoks[i]`` of ``tokens`` at ``pos[i]..`` of ``caches[i]``; logits of every row."""
+    ``ntoks[i]`` of ``tokens`` at ``pos[i]..`` of ``caches[i]``; logits of every row (None:
+    none, only the base's ``hidden`` rows)."""
     ptrs = ffi.new("lm_cache *[]", [c.ptr for c in caches])
     check(
         lib.lm_forward_batch(
@@ -984,7 +613,9 @@ def forward_batch(
             ffi.cast("int32_t *", ffi.from_buffer(tokens)),
             ffi.cast("int64_t *", ffi.from_buffer(ntoks)),
             ffi.cast("int64_t *", ffi.from_buffer(pos)),
-            ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
+            ffi.NULL
+            if logits is None
+            else ffi.cast("float *", ffi.from_buffer(logits, require_writable=True)),
         ),
         "forward_batch",
     )

@@ -35,15 +35,9 @@ from pathlib import Path
 from gguf import GGUFWriter
 
 from lmserve_core.gguf_file import GGUFFile
+from lmserve_core.pretokenize import _PRE_NAMES, _RAW_UTF8, PRE_TOKENIZER_NAMES
 from lmserve_core.testing.gguf_writer import write_vocab_only
-from lmserve_core.tokenizer import (
-    _PRE_NAMES,
-    _RAW_UTF8,
-    PRE_TOKENIZER_NAMES,
-    Tokenizer,
-    TokenType,
-    _bytes_to_unicode,
-)
+from lmserve_core.tokenizer import Tokenizer, TokenType, _bytes_to_unicode
 
 __all__ = [
     "N_TOKENS",

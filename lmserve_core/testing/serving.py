@@ -7,6 +7,12 @@ litestar, transformers and pytest are imported only by the functions that use th
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,40 @@ def serve(backend: Any, settings: Any) -> Iterator[Any]:
     finally:
         engine.stop()
         backend.close()
+
+
+@contextlib.contextmanager
+def lmserve_process(*args: str, log: Path, timeout: float = 90) -> Iterator[str]:
+    """A real ``lmserve ARGS...`` on a free loopback port, its output in ``log``: yields its
+    base URL once /health answers; stopped with SIGTERM on the way out (and must exit 0)."""
+    import httpx
+    import pytest
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "lmserve_core", *args, "--port", str(port)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"lmserve exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        process.kill()
+        pytest.fail(f"lmserve did not become healthy:\n{log.read_text()}")
+    try:
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
 
 
 def reference_tokenizer(hf_dir: Path | None) -> Any:

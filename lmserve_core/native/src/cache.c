@@ -28,6 +28,10 @@ struct lm_cache {
     int64_t n_state; /* f32 values of every layer's state */
     uint8_t *mem;
     size_t bytes;
+    /* states kept while chunks are read (lm_cache_plan_snapshots) */
+    int n_snap;
+    int64_t snap_pos[LM_MAX_SNAPSHOTS];
+    float *snap_buf; /* (n_snap, n_state) */
 };
 
 /* ============================================================================ memory */
@@ -356,6 +360,31 @@ int lm_cache_recurrent_load(lm_cache *cache, const void *buf, int64_t buf_bytes)
     if (need < 0 || (need > 0 && buf == NULL) || buf_bytes != need) return LM_EINVAL;
     memcpy(cache->mem, buf, (size_t)need);
     return LM_OK;
+}
+
+int lm_cache_plan_snapshots(lm_cache *cache, const int64_t *pos, int n, void *buf,
+                            int64_t buf_bytes) {
+    if (cache == NULL || n < 0 || n > LM_MAX_SNAPSHOTS) return LM_EINVAL;
+    if (n > 0 && (pos == NULL || buf == NULL || cache->n_state == 0 ||
+                  buf_bytes != (int64_t)n * cache->n_state * (int64_t)sizeof(float)))
+        return LM_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (pos[i] < 1) return LM_EINVAL;
+    cache->n_snap = n;
+    for (int i = 0; i < n; i++) cache->snap_pos[i] = pos[i];
+    cache->snap_buf = n > 0 ? buf : NULL;
+    return LM_OK;
+}
+
+float *lm_cache_snapshot_layer(lm_cache *cache, int64_t end, int layer) {
+    if (cache == NULL || cache->n_snap == 0 || layer < 0 || layer >= cache->n_layer ||
+        cache->layers[layer].state == 0)
+        return NULL;
+    for (int i = 0; i < cache->n_snap; i++)
+        if (cache->snap_pos[i] == end)
+            return (float *)(void *)((uint8_t *)(cache->snap_buf + (int64_t)i * cache->n_state) +
+                                     cache->s_off[layer]);
+    return NULL;
 }
 
 int lm_cache_recurrent_reset(lm_cache *cache) {

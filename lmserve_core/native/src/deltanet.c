@@ -45,8 +45,10 @@ static int dn_key_head(const lm_deltanet *d, int j) {
 
 /* Rows [0, m) of one sequence's channels (m, conv_dim) in place: the causal depthwise
  * convolution over the inputs `held` kept ((K - 1) rows before them), then SiLU; `held`
- * then keeps the last K - 1 inputs. win is scratch of (K - 1 + m) rows. */
-static void dn_conv(const lm_deltanet *d, float *held, float *rows, int64_t m, float *win) {
+ * then keeps the last K - 1 inputs, and so does each snapshot planned inside the rows.
+ * win is scratch of (K - 1 + m) rows. */
+static void dn_conv(const lm_deltanet *d, const lm_seq *sq, int layer, float *held, float *rows,
+                    int64_t m, float *win) {
     const int64_t C = dn_conv_dim(d);
     const int K = d->conv_kernel;
     memcpy(win, held, sizeof(float) * (size_t)((K - 1) * C));
@@ -61,6 +63,10 @@ static void dn_conv(const lm_deltanet *d, float *held, float *rows, int64_t m, f
         }
     }
     memcpy(held, win + m * C, sizeof(float) * (size_t)((K - 1) * C));
+    for (int64_t t = 1; t < m; t++) { /* a checkpoint after t rows: the inputs before it */
+        float *kept = lm_cache_snapshot_layer(sq->cache, sq->pos + t, layer);
+        if (kept != NULL) memcpy(kept, win + t * C, sizeof(float) * (size_t)((K - 1) * C));
+    }
 }
 
 typedef struct {
@@ -101,6 +107,13 @@ static void dn_head(const dn_job *j, int s, int h) {
         memset(o, 0, sizeof(float) * (size_t)hv);
         for (int i = 0; i < hk; i++) { /* S += k (x) kv; o = S^T q */
             kt->axpy2_f32(S + (int64_t)i * hv, k[i], kv, q[i], o, hv);
+        }
+        const int64_t end = sq->pos + (r - j->row0[s]) + 1; /* positions read so far */
+        float *kept = end < sq->pos + sq->ntok ? lm_cache_snapshot_layer(sq->cache, end, j->layer)
+                                               : NULL;
+        if (kept != NULL) {
+            float *dst = kept + (S - state);
+            memcpy(dst, S, sizeof(float) * (size_t)hk * (size_t)hv);
         }
     }
 }
@@ -200,7 +213,7 @@ int lm_deltanet_mixer(lm_base *b, const lm_deltanet *d, int layer, const float *
         float *state = lm_cache_layer_state(sq->cache, layer);
         if (state == NULL || at + sq->ntok > ntok) return LM_EMISMATCH;
         row0[s] = at;
-        dn_conv(d, state, qkv + at * C, sq->ntok, win);
+        dn_conv(d, sq, layer, state, qkv + at * C, sq->ntok, win);
         at += sq->ntok;
     }
     if (at != ntok) return LM_EINVAL;

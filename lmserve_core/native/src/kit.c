@@ -751,12 +751,14 @@ int lm_moe_ffn(lm_base *b, const lm_moe *m, int layer, const float *x, int64_t n
 
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits) {
-    if (b == NULL || x == NULL || logits == NULL || n < 0 || n > b->n_batch || softcap < 0.0f)
+    if (b == NULL || x == NULL || (logits == NULL && b->hidden == NULL) || n < 0 ||
+        n > b->n_batch || softcap < 0.0f)
         return LM_EINVAL;
     if (n == 0) return LM_OK;
     const int64_t D = b->n_embd;
     LM_TRY(lm_rmsnorm_rows(b->pool, b->xb, x, norm, n, D, eps));
-    if (b->hidden != NULL) memcpy(b->hidden, b->xb + (n - 1) * D, sizeof(float) * (size_t)D);
+    if (b->hidden != NULL) memcpy(b->hidden, b->xb, sizeof(float) * (size_t)(n * D));
+    if (logits == NULL) return LM_OK; /* the hidden states alone (embeddings) */
     LM_TRY(lm_matmul(b->pool, out.type, out.data, b->n_vocab, D, b->xb, n, logits));
     if (softcap > 0.0f) LM_TRY(lm_softcap_rows(logits, n * b->n_vocab, softcap));
     return LM_OK;
@@ -1078,7 +1080,10 @@ int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int3
                      const int64_t *ntoks, const int64_t *pos, float *logits) {
     /* every sequence has a row, so there are at most n_batch of them */
     if (b == NULL || n_seqs <= 0 || n_seqs > b->n_batch || caches == NULL || tokens == NULL ||
-        ntoks == NULL || pos == NULL || logits == NULL)
+        ntoks == NULL || pos == NULL)
+        return LM_EINVAL;
+    /* no logits: the hidden states alone, from a pass that ends in the kit's lm_logits */
+    if (logits == NULL && (b->hidden == NULL || b->forward_chunk != decoder_model_chunk))
         return LM_EINVAL;
     lm_seq *table = malloc(sizeof *table * (size_t)n_seqs);
     if (table == NULL) return LM_ENOMEM;

@@ -10,6 +10,11 @@ Sizes:
   seeded) converted to GGUF. Next to the GGUF, ``hf/`` is a transformers model directory
   (with the tokenizer) whose weights are EXACTLY the values the GGUF stores, decoded: a
   numerical test compares against the same weights whatever the tensor type.
+* ``qwen3-embedding`` / ``qwen3-reranker`` (``tiny``): the ``qwen3`` tiny model written as
+  llama.cpp's converter writes Qwen3-Embedding (``qwen3.pooling_type`` LAST, as
+  sentence-transformers' last-token pooling declares it) and Qwen3-Reranker (pooling RANK,
+  the ``rerank`` chat template, and ``cls.output.weight``: the "yes" and "no" rows of the
+  LM head). Their ``hf/`` is the same ``Qwen3ForCausalLM``.
 * ``0.6b`` (``qwen3``, Qwen3-0.6B's geometry) and ``moe-1b`` (``qwen3moe``, 64 experts,
   top-8, 1.2B parameters): benchmark models written straight from numpy, tensor by tensor.
 
@@ -45,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, PoolingType
 
 from lmserve_core.testing import synthetic as shared
 from lmserve_core.testing.assets import TOKENIZERS, tokenizer_dir
@@ -57,7 +62,16 @@ T = GGMLQuantizationType
 # Bump when the models this script writes change: it keys the cache.
 SCRIPT_VERSION = "1"
 
-KINDS = ("qwen3", "qwen3moe")
+KINDS = ("qwen3", "qwen3moe", "qwen3-embedding", "qwen3-reranker")
+# what convert_hf_to_gguf.py writes for Qwen3-Reranker (conversion/qwen.py)
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+RERANK_LABELS = ("yes", "no")
 VOCAB = FAMILIES["qwen3"]
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -93,6 +107,8 @@ GEOMETRIES: dict[tuple[str, str], Geometry] = {
         2, 64, 4, 2, 64, 256, n_expert=8, n_expert_used=2, n_ff_exp=256, init_std=0.25
     ),
     ("qwen3", "small"): Geometry(2, 256, 4, 2, 64, 512, init_std=0.125),
+    ("qwen3-embedding", "tiny"): Geometry(2, 64, 4, 2, 64, 256, init_std=0.25),
+    ("qwen3-reranker", "tiny"): Geometry(2, 64, 4, 2, 64, 256, init_std=0.25),
     ("qwen3moe", "small"): Geometry(
         2, 256, 4, 2, 64, 512, n_expert=8, n_expert_used=2, n_ff_exp=256, init_std=0.125
     ),
@@ -127,7 +143,10 @@ def default_kind(size: str) -> str:
 def tensor_shapes(kind: str, g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     """GGUF tensor names with their numpy shapes (ggml's ne reversed), in file order."""
     q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (VOCAB.vocab_size, g.n_embd))]
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if kind == "qwen3-reranker":  # the converter writes it as it meets the (tied) head
+        out.append(("cls.output.weight", (len(RERANK_LABELS), g.n_embd)))
+    out.append(("token_embd.weight", (VOCAB.vocab_size, g.n_embd)))
     for i in range(g.n_layer):
         p = f"blk.{i}."
         out += [
@@ -188,6 +207,12 @@ def add_metadata(writer: Any, kind: str, g: Geometry, type_name: str, label: str
     writer.add_key_length(g.head_dim)
     writer.add_value_length(g.head_dim)
     add_bpe_tokenizer(writer, family_vocab("qwen3"), VOCAB.pre)
+    if kind == "qwen3-embedding":
+        writer.add_pooling_type(PoolingType.LAST)
+    elif kind == "qwen3-reranker":
+        writer.add_pooling_type(PoolingType.RANK)
+        writer.add_classifier_output_labels(list(RERANK_LABELS))
+        writer.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
 
 
 # ------------------------------------------------------------------ transformers models
@@ -214,7 +239,7 @@ def hf_config(kind: str, g: Geometry) -> Any:
         attention_bias=False,
         use_sliding_window=False,
     )
-    if kind == "qwen3":
+    if kind != "qwen3moe":
         return transformers.Qwen3Config(**common)
     return transformers.Qwen3MoeConfig(
         **common,
@@ -248,7 +273,8 @@ def build_hf_model(kind: str, g: Geometry, seed: int = 0) -> Any:
     import transformers
 
     config = hf_config(kind, g)
-    cls = transformers.Qwen3ForCausalLM if kind == "qwen3" else transformers.Qwen3MoeForCausalLM
+    moe = kind == "qwen3moe"
+    cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
     _fill_random(model, g, seed)
@@ -270,6 +296,16 @@ _LAYER_MAP = {
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
+
+
+def rerank_ids() -> tuple[int, int]:
+    """The ids of "yes" and "no" (the rows of the head a reranker's cls.output holds)."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir("qwen3") / "tokenizer.json"))
+    ids = [tok.token_to_id(label) for label in RERANK_LABELS]
+    assert all(i is not None for i in ids)
+    return ids[0], ids[1]
 
 
 def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
@@ -324,6 +360,8 @@ def load_gguf_weights(model: Any, stored: dict[str, np.ndarray]) -> None:
             put("model.embed_tokens.weight", value)
         elif name == "output_norm.weight":
             put("model.norm.weight", value)
+        elif name == "cls.output.weight":
+            continue  # rows of the head, not a parameter of their own
         elif name == "output.weight":
             put("lm_head.weight", value)
         elif name.endswith("ffn_gate_exps.weight"):
@@ -368,6 +406,10 @@ def write_hf_model(
 ) -> dict[str, Any]:
     """``out_dir/model.gguf`` + ``out_dir/hf`` (the transformers model of the stored weights)."""
     model = build_hf_model(kind, GEOMETRIES[(kind, size)], seed)
+    weights = gguf_tensors(model)
+    if kind == "qwen3-reranker":
+        head = weights.get("output.weight", weights["token_embd.weight"])
+        weights["cls.output.weight"] = np.ascontiguousarray(head[list(rerank_ids())])
     shared.write_hf_model(
         out_dir,
         QWEN3,
@@ -375,7 +417,7 @@ def write_hf_model(
         size,
         type_name,
         model,
-        gguf_tensors(model),
+        weights,
         functools.partial(load_gguf_weights, model),
         tokenizer_dir("qwen3"),
     )
@@ -403,7 +445,7 @@ QWEN3 = shared.SyntheticFamily(
     kinds=KINDS,
     geometries=GEOMETRIES,
     hf_sizes=HF_SIZES,
-    arch=lambda kind: kind,
+    arch=lambda kind: "qwen3moe" if kind == "qwen3moe" else "qwen3",
     tensor_shapes=tensor_shapes,
     tensor_type=tensor_type,
     add_metadata=add_metadata,

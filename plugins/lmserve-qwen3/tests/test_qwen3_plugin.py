@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from lmserve_qwen3 import plugin
@@ -22,6 +16,7 @@ from lmserve_core.backend import ServerSettings
 from lmserve_core.plugins import backend_for_architecture, backends
 from lmserve_core.request import Message, NormalizedRequest
 from lmserve_core.testing.hooks import registrations
+from lmserve_core.testing.serving import lmserve_process
 
 
 def test_registers_both_architectures() -> None:
@@ -88,38 +83,13 @@ def test_backend_renders_qwen3_template_and_stops_on_its_tokens(
 # ---------------------------------------------------------------------------- real server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(synthetic: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     path, _ = synthetic(kind="qwen3moe", type="q4_k_m")
-    port = free_port()
     log = tmp_path_factory.mktemp("qwen3-server") / "lmserve.log"
-    cmd = [sys.executable, "-m", "lmserve_core", "--backend", "qwen3", str(path),
-           "--port", str(port), "--ctx", "512", "--threads", "2"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"lmserve exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail(f"lmserve did not become healthy:\n{log.read_text()}")
-    yield base, log
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(30) == 0
+    args = ("--backend", "qwen3", str(path), "--ctx", "512", "--threads", "2")
+    with lmserve_process(*args, log=log) as base:
+        yield base, log
 
 
 def test_lmserve_serves_a_qwen3moe_file_to_the_openai_sdk(server: Any) -> None:

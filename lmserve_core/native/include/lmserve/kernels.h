@@ -177,6 +177,14 @@ int64_t lm_cache_recurrent_bytes(const lm_cache *cache);
 int lm_cache_recurrent_save(const lm_cache *cache, void *buf, int64_t buf_bytes);
 int lm_cache_recurrent_load(lm_cache *cache, const void *buf, int64_t buf_bytes);
 int lm_cache_recurrent_reset(lm_cache *cache);
+/* While the next chunks are read, keep every layer's recurrent state as a prompt of pos[i]
+ * positions leaves it (after the row at pos[i] - 1) in buf's i-th n_state floats, laid out
+ * as lm_cache_recurrent_save writes it: one pass takes the checkpoints a prompt plans, where
+ * stopping at each would read the weights again. At most LM_MAX_SNAPSHOTS; n = 0 ends it. */
+int lm_cache_plan_snapshots(lm_cache *cache, const int64_t *pos, int n, void *buf,
+                            int64_t buf_bytes);
+/* For a recurrent mixer: where layer's state after `end` positions is kept, or NULL. */
+float *lm_cache_snapshot_layer(lm_cache *cache, int64_t end, int layer);
 int lm_cache_recurrent_copy(const lm_cache *src, lm_cache *dst);
 /* lm_attention over one layer of a cache (rows [0, pos0 + ntok) already written). */
 int lm_attention_cached(lm_pool *pool, const float *q, const lm_cache *cache, int layer,
@@ -247,7 +255,8 @@ int lm_moe_route(const lm_moe *m, float *logits, int32_t *ids, float *w);
  * outside [0, n_expert). */
 int lm_moe_experts(lm_base *b, const lm_moe *m, const float *x, int64_t ntok, const int32_t *ids,
                    const float *w, float *y);
-/* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none). */
+/* logits (n, n_vocab) = out . rmsnorm(x rows) * norm, then softcap (0: none); the normed rows
+ * also into b->hidden when set, and nothing else when logits is NULL (hidden set). */
 int lm_logits(lm_base *b, const float *norm, float eps, lm_matrix out, const float *x, int64_t n,
               float softcap, float *logits);
 /* One pre-norm block over rows [r0, r0 + n) of b->x (b->xb is its scratch); its mixer and
@@ -278,7 +287,8 @@ int lm_forward_bidirectional(lm_base *b, lm_cache *cache, const int32_t *tokens,
                              int64_t pos, float *logits);
 /* One step of several sequences in one weight pass: sequence i runs ntoks[i] tokens (taken
  * in order from tokens) at positions pos[i].. of caches[i]; logits (sum ntoks, n_vocab) of
- * every row. At most n_batch rows in all; the caches are distinct. Checks as lm_forward. */
+ * every row. At most n_batch rows in all; the caches are distinct. Checks as lm_forward.
+ * logits NULL: only b->hidden's rows, for a decoder the kit runs whole (else LM_EINVAL). */
 int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int32_t *tokens,
                      const int64_t *ntoks, const int64_t *pos, float *logits);
 /* Frees a family model through its free_model callback. */

@@ -29,6 +29,9 @@ enum lm_status {
     LM_EMISMATCH = -6 /* a cache of another geometry than the model's */
 };
 
+/* recurrent states a cache keeps while one chunk is read (lm_cache_plan_snapshots) */
+enum { LM_MAX_SNAPSHOTS = 8 };
+
 /* ------------------------------------------------------------------ tensor types
  * Values are GGML's type ids, so a GGUF tensor's type passes through unchanged; one
  * exception, LM_Q2_0_128 (below). */
@@ -381,8 +384,9 @@ struct lm_base {
     int n_seqs;
     lm_trace *trace;        /* NULL unless routing is being recorded */
     int64_t trace_row;      /* first trace row of the chunk being run */
-    float *hidden;          /* NULL, or n_embd floats lm_logits fills with the last row it
-                               reads after the final norm (a sequence's embedding) */
+    float *hidden;          /* NULL, or (rows, n_embd) floats lm_logits fills with every row
+                               it reads after the final norm (embeddings): the last row
+                               alone unless every row's logits are asked for */
 };
 
 /* A pre-norm decoder model the kit runs whole: a family fills the blocks (and the rope
