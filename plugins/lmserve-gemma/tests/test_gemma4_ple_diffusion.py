@@ -1,7 +1,10 @@
 """Gemma 4's per-layer inputs and DiffusionGemma's passes in one model: the synthetic
 DiffusionGemma (dgemma_synthetic.py) with per-layer input tensors added. transformers has no
-such model (DiffusionGemmaConfig drops ``hidden_size_per_layer_input``), so each pass is held
-to a path it must agree with:
+such model (DiffusionGemmaConfig drops ``hidden_size_per_layer_input``), so the reference is
+its DiffusionGemma with Gemma 4's per-layer inputs put in by hooks, as Gemma4TextModel
+computes them: projected from the embeddings its layers receive (the canvas pass's
+self-conditioned ones), each layer's added to its output before the layer scalar. And each
+pass is held to a path it must agree with:
 
 * the causal pass equals Gemma 4's forward (``gemma4``, per-layer inputs, the causal pass's
   layer scalars as its output scales) over the same tensors, bit for bit;
@@ -12,7 +15,8 @@ to a path it must agree with:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,23 +69,19 @@ def rewrite(
     return dst
 
 
-@pytest.fixture(scope="module")
-def files(diffusion_gemma: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    src = Path(diffusion_gemma.gguf)
-    out = tmp_path_factory.mktemp("ple-diffusion")
-    with GGUFFile.open(src) as gguf:
+def geometry(path: Path) -> tuple[int, int, int]:
+    """n_layer, n_embd and n_vocab of a GGUF."""
+    with GGUFFile.open(path) as gguf:
         arch = gguf.architecture
         n_layer = int(gguf.metadata[f"{arch}.block_count"])
         d = int(gguf.metadata[f"{arch}.embedding_length"])
-        n_vocab = gguf.tensors["token_embd.weight"].shape[0]
-        enc_scales = {
-            f"blk.{il}.layer_output_scale.weight": gguf.tensors[
-                f"blk.{il}.enc_layer_output_scale.weight"
-            ]
-            .data.view(np.float32)
-            .copy()
-            for il in range(n_layer)
-        }
+        return n_layer, d, gguf.tensors["token_embd.weight"].shape[0]
+
+
+@pytest.fixture(scope="module")
+def ple(diffusion_gemma: Any) -> dict[str, np.ndarray]:
+    """Random per-layer input tensors for the synthetic model, under llama.cpp's names."""
+    n_layer, d, n_vocab = geometry(Path(diffusion_gemma.gguf))
     rng = np.random.default_rng(7)
     ple: dict[str, np.ndarray] = {
         # F16 keeps the file small (the vocabulary is Gemma 4's 262144 ids)
@@ -95,6 +95,26 @@ def files(diffusion_gemma: Any, tmp_path_factory: pytest.TempPathFactory) -> dic
         ple[f"blk.{il}.inp_gate.weight"] = rng.normal(0, 0.25, (P, d)).astype(np.float32)
         ple[f"blk.{il}.proj.weight"] = rng.normal(0, 0.25, (d, P)).astype(np.float32)
         ple[f"blk.{il}.post_norm.weight"] = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    return ple
+
+
+@pytest.fixture(scope="module")
+def files(
+    diffusion_gemma: Any, ple: dict[str, np.ndarray], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    src = Path(diffusion_gemma.gguf)
+    out = tmp_path_factory.mktemp("ple-diffusion")
+    n_layer, d, _ = geometry(src)
+    with GGUFFile.open(src) as gguf:
+        arch = gguf.architecture
+        enc_scales = {
+            f"blk.{il}.layer_output_scale.weight": gguf.tensors[
+                f"blk.{il}.enc_layer_output_scale.weight"
+            ]
+            .data.view(np.float32)
+            .copy()
+            for il in range(n_layer)
+        }
     silent = dict(ple)
     for il in range(n_layer):
         silent[f"blk.{il}.post_norm.weight"] = np.zeros(d, np.float32)
@@ -180,3 +200,92 @@ def test_canvas_pass_takes_the_per_layer_inputs(files: dict[str, Path], recorded
         np.testing.assert_array_equal(model.denoise(cache, canvas, len(prompt), None), outs[-1])
     assert np.isfinite(outs[0]).all()
     assert np.abs(outs[0] - outs[1]).max() > 100 * LOGIT_ATOL
+
+
+@contextlib.contextmanager
+def per_layer_inputs(
+    hf: Any, ple: dict[str, np.ndarray], tokens: list[list[int]]
+) -> Iterator[None]:
+    """transformers' DiffusionGemma with Gemma 4's per-layer inputs added to both stacks
+    (Gemma4TextModel.project_per_layer_inputs and Gemma4TextDecoderLayer's per-layer step):
+    each stack's run takes its ids from ``tokens[0]``."""
+    import torch
+    import torch.nn.functional as F
+
+    eps = 1e-6
+    t = {k: torch.from_numpy(v.astype(np.float32)) for k, v in ple.items()}
+
+    def rms(x: Any, w: Any) -> Any:
+        return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5) * w
+
+    stacks = [
+        [m for m in hf.modules() if type(m).__name__ == name]
+        for name in ("DiffusionGemmaEncoderTextLayer", "DiffusionGemmaDecoderTextLayer")
+    ]
+    n_layer, state, handles = len(stacks[0]), {}, []
+    scalars = [layer.layer_scalar.clone() for stack in stacks for layer in stack]
+
+    def begin(module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0]  # (1, n, D): the embeddings the layers receive
+        ids = torch.tensor(tokens[0])
+        tok = t["per_layer_token_embd.weight"][ids].reshape(len(ids), n_layer, P) * P**0.5
+        proj = (x[0] @ t["per_layer_model_proj.weight"].T) * x.shape[-1] ** -0.5
+        proj = rms(proj.reshape(len(ids), n_layer, P), t["per_layer_proj_norm.weight"])
+        state["ple"] = (proj + tok) * 2**-0.5
+
+    def after(il: int, scale: Any) -> Callable[..., Any]:
+        def hook(module: Any, args: tuple[Any, ...], out: Any) -> Any:
+            g = F.gelu(out @ t[f"blk.{il}.inp_gate.weight"].T, approximate="tanh")
+            y = (g * state["ple"][:, il]) @ t[f"blk.{il}.proj.weight"].T
+            return (out + rms(y, t[f"blk.{il}.post_norm.weight"])) * scale
+
+        return hook
+
+    try:
+        i = 0
+        for stack in stacks:
+            assert len(stack) == n_layer
+            handles.append(stack[0].register_forward_pre_hook(begin))
+            for il, layer in enumerate(stack):
+                layer.layer_scalar.fill_(1.0)  # the hook scales, after the per-layer input
+                handles.append(layer.register_forward_hook(after(il, scalars[i])))
+                i += 1
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        layers = [layer for stack in stacks for layer in stack]
+        for layer, scale in zip(layers, scalars, strict=True):
+            layer.layer_scalar.copy_(scale)
+
+
+def test_both_passes_match_transformers_with_per_layer_inputs(
+    files: dict[str, Path], ple: dict[str, np.ndarray], recorded: dict, diffusion_gemma: Any
+) -> None:
+    import torch
+    from dgemma_synthetic import causal_logits, denoiser_logits
+    from transformers import DynamicCache
+
+    prompt, canvases = recorded["prompt"].tolist(), recorded["canvases"].tolist()
+    hf = diffusion_gemma.load_hf()
+    tokens = [prompt]
+    want = {}
+    with torch.no_grad(), per_layer_inputs(hf, ple, tokens):
+        cache = DynamicCache(config=hf.config.text_config)
+        want["causal"] = causal_logits(hf, prompt, cache)
+        tokens[0] = canvases[0]
+        want["denoise"] = denoiser_logits(hf, canvases[0], cache, None)
+        tokens[0] = canvases[1]
+        sc = want["denoise"] / TEMPERATURE
+        want["self-conditioned"] = denoiser_logits(hf, canvases[1], cache, sc)
+    model = load(files["composed"])
+    cache = model.new_cache(128)
+    got = {
+        "causal": model.forward(cache, prompt, 0, all_logits=True),
+        "denoise": model.denoise(cache, canvases[0], len(prompt), None),
+        "self-conditioned": model.denoise(cache, canvases[1], len(prompt), sc),
+    }
+    diffs = {k: float(np.abs(got[k] - want[k]).max()) for k in want}
+    assert max(diffs.values()) <= LOGIT_ATOL, diffs
+    # the per-layer inputs count in the reference too
+    assert np.abs(want["denoise"] - recorded["denoise_first"]).max() > 100 * LOGIT_ATOL
