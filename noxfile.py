@@ -123,6 +123,12 @@ SANITIZED_TESTS = [
     "plugins/lmserve-qwen3/tests/test_qwen3_numerics.py",
     "plugins/lmserve-qwen35/tests/test_qwen35_numerics.py",
 ]
+# Left out there: the served paths and the long runs, the same native calls many times over
+# (a real model decodes at a token a second or two at -O1 under the sanitizers).
+SANITIZED_SKIP = (
+    "not served and not speculative and not choices and not disk_tier and not perplexity "
+    "and not greedy and not top1"
+)
 
 
 def sanitized_modules(session: nox.Session) -> list[str]:
@@ -170,8 +176,8 @@ def sanitize(session: nox.Session) -> None:
     root = str(Path(paths[0]).parent)
     session.run("python", "-c", "import lmserve_core._kernels as k, lmserve_gemma._forward as g; "
                 f"assert all(m.__file__.startswith({root!r}) for m in (k, g))", env=env)
-    session.run("pytest", *SANITIZED_TESTS, "-q", "-p", "no:cacheprovider", *session.posargs,
-                env=env)
+    session.run("pytest", *SANITIZED_TESTS, "-q", "-p", "no:cacheprovider", "-k", SANITIZED_SKIP,
+                *session.posargs, env=env)
 
 
 @nox.session(python="3.11")
