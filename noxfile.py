@@ -1,5 +1,5 @@
-"""Developer and CI sessions: ``nox -s tests``, ``arm``, ``lint``, ``typecheck``, ``bench``,
-``bench-serve``, ``bench-prefill``, ``fuzz``, ``wheels``."""
+"""Developer and CI sessions: ``nox -s tests``, ``arm``, ``sanitize``, ``lint``, ``typecheck``,
+``bench``, ``bench-serve``, ``bench-prefill``, ``fuzz``, ``wheels``."""
 
 from __future__ import annotations
 
@@ -114,6 +114,76 @@ def arm(session: nox.Session) -> None:
     install_project(session)
     session.run("pytest", "tests/test_kernels_arm.py", "-q", "-p", "no:cacheprovider",
                 *session.posargs)
+
+
+# The numerics of the kernels, the kit and every family, run by ``sanitize`` over modules built
+# under the sanitizers.
+SANITIZED_TESTS = [
+    "tests/test_native_sanitize.py", "tests/test_kit.py", "tests/test_kernels.py",
+    "tests/test_kernels_r16.py", "plugins/lmserve-gemma/tests/test_gemma_numerics.py",
+    "plugins/lmserve-gemma/tests/test_dgemma_numerics.py",
+    "plugins/lmserve-gemma/tests/test_gemma4_ple_diffusion.py",
+    "plugins/lmserve-inkling/tests/test_inkling_numerics.py",
+    "plugins/lmserve-nanochat/tests/test_nanochat_forward.py",
+    "plugins/lmserve-llama/tests/test_llama_numerics.py",
+    "plugins/lmserve-qwen3/tests/test_qwen3_numerics.py",
+    "plugins/lmserve-qwen35/tests/test_qwen35_numerics.py",
+]
+# Left out there: the served paths and the long runs, the same native calls many times over
+# (a real model decodes at a token a second or two at -O1 under the sanitizers).
+SANITIZED_SKIP = (
+    "not served and not speculative and not choices and not disk_tier and not perplexity "
+    "and not greedy and not top1"
+)
+
+
+def sanitized_modules(session: nox.Session) -> list[str]:
+    """The core and every plugin copied into the session's tmp dir, their native modules
+    built there under AddressSanitizer and UndefinedBehaviorSanitizer
+    (``LMSERVE_NATIVE_SANITIZE``); the paths to put first on PYTHONPATH."""
+    root = Path(session.create_tmp()) / "sanitized"
+    shutil.rmtree(root, ignore_errors=True)
+    skip = shutil.ignore_patterns("*.so", "__pycache__", "build", "tests")
+    env = {"LMSERVE_NATIVE_SANITIZE": "1", "PYTHONPATH": str(root / "core")}
+    shutil.copytree("lmserve_core", root / "core" / "lmserve_core", ignore=skip)
+    session.run("python", str(root / "core/lmserve_core/native/build.py"), env=env)
+    paths = [str(root / "core")]
+    for plugin in PLUGINS:
+        copy = root / plugin
+        shutil.copytree(plugin, copy, ignore=skip)
+        with session.chdir(copy):
+            session.run("python", "setup.py", "-q", "build_ext", "--inplace",
+                        "--build-temp", str(root / "build" / copy.name), env=env)
+        paths.append(str(copy))
+    return paths
+
+
+@nox.session(python="3.11")
+def sanitize(session: nox.Session) -> None:
+    """The native code under AddressSanitizer and UndefinedBehaviorSanitizer: the kernel, kit
+    and family numerics tests over modules built with both (portable C: see
+    lmserve_core.native), the Python process running with libasan preloaded; and the native
+    harnesses on this CPU's SIMD paths under AddressSanitizer (tests/test_native_sanitize.py,
+    whose fast part ``tests`` runs)."""
+    install_kernel_tools(session)
+    install_project(session, reference=True)
+    paths = sanitized_modules(session)
+    libasan = session.run("gcc", "-print-file-name=libasan.so", external=True, silent=True)
+    env = {
+        "PYTHONPATH": os.pathsep.join(paths),
+        "PYTHONSAFEPATH": "1",  # not the checkout's own lmserve_core, from the working dir
+        "LD_PRELOAD": str(libasan).strip(),
+        "LMSERVE_SANITIZE_FULL": "1",
+        # Python's own allocations are never freed at exit: leaks are checked in the harnesses
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
+    # the sanitized modules are the ones imported
+    root = str(Path(paths[0]).parent)
+    session.run("python", "-c", "import lmserve_core._kernels as k, lmserve_gemma._forward as g; "
+                f"assert all(m.__file__.startswith({root!r}) for m in (k, g))", env=env)
+    session.run("pytest", *SANITIZED_TESTS, "-q", "-p", "no:cacheprovider", "-k", SANITIZED_SKIP,
+                *session.posargs, env=env)
 
 
 @nox.session(python="3.11")

@@ -279,11 +279,68 @@ int lm_matmuls(lm_pool *pool, const lm_mm *mms, int n, int64_t ntok) {
 
 /* ============================================================================ model base */
 
+/* ---------------------------------------------------------------------------- the arena */
+
+/* Each allocation is one aligned block: a 64-byte header holding the link to the block
+ * before, then the caller's bytes (so they keep the 64-byte alignment). */
+#define ARENA_HEADER 64
+
+void *lm_base_alloc(lm_base *b, size_t bytes) {
+    if (b == NULL || bytes > SIZE_MAX - ARENA_HEADER) return NULL;
+    uint8_t *block = lm_aligned_alloc(ARENA_HEADER + bytes);
+    if (block == NULL) return NULL;
+    memset(block, 0, ARENA_HEADER + bytes);
+    memcpy(block, &b->arena.last, sizeof(void *));
+    b->arena.last = block;
+    b->arena.bytes += bytes;
+    return block + ARENA_HEADER;
+}
+
+/* Frees every block of the arena, the latest first; the arena may lie in one of them. */
+static void arena_free(lm_arena *a) {
+    void *block = a->last;
+    a->last = NULL;
+    a->bytes = 0;
+    while (block != NULL) {
+        void *before;
+        memcpy(&before, block, sizeof(void *));
+        lm_aligned_free(block);
+        block = before;
+    }
+}
+
+int lm_model_new(size_t bytes, lm_base **out) {
+    if (out == NULL || bytes < sizeof(lm_base)) return LM_EINVAL;
+    *out = NULL;
+    lm_base tmp;
+    memset(&tmp, 0, sizeof tmp);
+    lm_base *b = lm_base_alloc(&tmp, bytes);
+    if (b == NULL) return LM_ENOMEM;
+    b->arena = tmp.arena; /* the struct is the arena's first block */
+    *out = b;
+    return LM_OK;
+}
+
+/* The kit's buffers of the base (not its arena). */
+static void base_release(lm_base *b) {
+    lm_pool_free(b->pool);
+    lm_aligned_free(b->x);
+    lm_aligned_free(b->xb);
+    lm_aligned_free(b->xs);
+    lm_aligned_free(b->tmp);
+    b->pool = NULL;
+    b->x = b->xb = b->xs = NULL;
+    b->tmp = NULL;
+    b->tmp_bytes = 0;
+}
+
 int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd,
                  int n_layer, const lm_cache_layer *layers, lm_chunk_fn forward_chunk,
                  void (*free_model)(void *)) {
     if (b == NULL) return LM_EINVAL;
+    const lm_arena arena = b->arena;
     memset(b, 0, sizeof *b);
+    b->arena = arena;
     if (n_batch <= 0 || n_batch > (1 << 20) || n_vocab <= 0 || n_embd <= 0 ||
         n_embd > (1 << 20) || n_layer <= 0 || forward_chunk == NULL ||
         lm_cache_bytes(n_layer, layers, 1, LM_F32) <= 0)
@@ -300,7 +357,7 @@ int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, in
     b->xb = lm_aligned_alloc(bytes);
     b->pool = lm_pool_new(n_threads);
     if (b->x == NULL || b->xb == NULL || b->pool == NULL) {
-        lm_base_free(b);
+        base_release(b);
         return LM_ENOMEM;
     }
     return LM_OK;
@@ -308,23 +365,17 @@ int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, in
 
 void lm_base_free(lm_base *b) {
     if (b == NULL) return;
-    lm_pool_free(b->pool);
-    lm_aligned_free(b->x);
-    lm_aligned_free(b->xb);
-    lm_aligned_free(b->xs);
-    lm_aligned_free(b->ext);
-    lm_aligned_free(b->tmp);
-    b->pool = NULL;
-    b->x = b->xb = b->xs = b->ext = NULL;
-    b->tmp = NULL;
-    b->tmp_bytes = 0;
+    base_release(b);
+    arena_free(&b->arena); /* last: b itself may lie in it */
 }
 
-/* The scratch grown to at least `bytes`, its first `keep` bytes kept. */
+/* The scratch grown to at least `bytes`, its first `keep` bytes kept (those it has: a keep
+ * rounded up past its end has nothing there to keep). */
 static void *tmp_grow(lm_base *b, size_t bytes, size_t keep) {
     if (bytes > b->tmp_bytes) {
         void *p = lm_aligned_alloc(bytes);
         if (p == NULL) return NULL;
+        if (keep > b->tmp_bytes) keep = b->tmp_bytes;
         if (keep > 0) memcpy(p, b->tmp, keep);
         lm_aligned_free(b->tmp);
         b->tmp = p;
@@ -832,7 +883,10 @@ int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int
     const int64_t D = b->n_embd;
     LM_TRY(lm_embed(b, d->token_embd, tokens, ntok));
     if (d->embd_scale != 0.0f) LM_TRY(lm_scale_rows(b->x, d->embd_scale, ntok * D));
-    if (d->begin_chunk != NULL) LM_TRY(d->begin_chunk(d->ctx, b, tokens, ntok));
+    for (int h = 0; h < d->n_hooks; h++) {
+        const lm_hook *k = &d->hooks[h];
+        if (k->begin_chunk != NULL) LM_TRY(k->begin_chunk(k->ctx, b, tokens, ntok));
+    }
     /* the trailing blocks that write no cache need only the rows with logits */
     int quiet = b->n_layer;
     while (quiet > 0 && block_quiet(&d->blocks[quiet - 1])) quiet--;
@@ -841,7 +895,10 @@ int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int
         const int64_t r0 = l >= quiet ? first_logit : 0, n = ntok - r0;
         if (r0 > 0 && n == 0) continue;
         LM_TRY(lm_decoder_block(b, blk, l, r0, n));
-        if (d->after_block != NULL) LM_TRY(d->after_block(d->ctx, b, l, r0, n));
+        for (int h = d->n_hooks - 1; h >= 0; h--) { /* nested: the first added runs last */
+            const lm_hook *k = &d->hooks[h];
+            if (k->after_block != NULL) LM_TRY(k->after_block(k->ctx, b, l, r0, n));
+        }
         if (blk->out_scale != NULL)
             LM_TRY(lm_scale_rows(b->x + r0 * D, blk->out_scale[0], n * D));
     }
@@ -921,8 +978,8 @@ static int block_ffn_ok(const lm_block *blk, int64_t D) {
 
 int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
     if (b == NULL || d == NULL || d->blocks == NULL ||
-        !isfinite(d->embd_scale) || !(d->logit_softcap >= 0.0f) || d->n_ext < 0 ||
-        (d->n_ext > 0 && b->ext == NULL))
+        !isfinite(d->embd_scale) || !(d->logit_softcap >= 0.0f) || d->n_hooks < 0 ||
+        d->n_hooks > (int)(sizeof d->hooks / sizeof d->hooks[0]))
         return LM_EINVAL;
     const int64_t D = b->n_embd;
     if (!matrix_ok(d->token_embd, D) || !matrix_ok(d->output, D)) return LM_ETYPE;
@@ -944,13 +1001,16 @@ int lm_decoder_check(const lm_base *b, const lm_decoder *d) {
 
 /* ---------------------------------------------------------------------------- whole models */
 
+/* The hooks' contexts, the last added first, then the base and its arena (the model, its
+ * blocks and geometry). */
 static void decoder_model_free(void *self) {
     lm_decoder_model *m = self;
+    for (int h = m->dec.n_hooks - 1; h >= 0; h--) {
+        const lm_hook *k = &m->dec.hooks[h];
+        if (k->free != NULL) k->free(k->ctx);
+    }
+    m->dec.n_hooks = 0;
     lm_base_free(&m->base);
-    if (m->dec.free_ctx != NULL) m->dec.free_ctx(m->dec.ctx);
-    free(m->blocks);
-    free(m->geometry);
-    free(m);
 }
 
 static int decoder_model_chunk(void *self, const int32_t *tokens, int64_t ntok, float *logits,
@@ -962,11 +1022,15 @@ static int decoder_model_chunk(void *self, const int32_t *tokens, int64_t ntok, 
 int lm_decoder_new(int n_layer, lm_decoder_model **out) {
     if (out == NULL || n_layer <= 0 || n_layer > 4096) return LM_EINVAL;
     *out = NULL;
-    lm_decoder_model *m = calloc(1, sizeof *m);
-    if (m == NULL) return LM_ENOMEM;
+    lm_base *b;
+    LM_TRY(lm_model_new(sizeof(lm_decoder_model), &b));
+    lm_decoder_model *m = (lm_decoder_model *)b;
+    /* lm_model_free and lm_decoder_hook_ctx work before lm_decoder_finish */
+    b->free_model = decoder_model_free;
+    b->forward_chunk = decoder_model_chunk;
     m->n_layer = n_layer;
-    m->blocks = calloc((size_t)n_layer, sizeof *m->blocks);
-    m->geometry = calloc((size_t)n_layer, sizeof *m->geometry);
+    m->blocks = lm_base_alloc(b, (size_t)n_layer * sizeof *m->blocks);
+    m->geometry = lm_base_alloc(b, (size_t)n_layer * sizeof *m->geometry);
     if (m->blocks == NULL || m->geometry == NULL) {
         decoder_model_free(m);
         return LM_ENOMEM;
@@ -974,6 +1038,29 @@ int lm_decoder_new(int n_layer, lm_decoder_model **out) {
     m->dec.blocks = m->blocks;
     *out = m;
     return LM_OK;
+}
+
+int lm_decoder_add_hook(lm_decoder_model *m, const lm_hook *hook) {
+    if (hook == NULL) return LM_EINVAL;
+    const int room = (int)(sizeof m->dec.hooks / sizeof m->dec.hooks[0]);
+    if (m == NULL || m->dec.n_hooks < 0 || m->dec.n_hooks >= room ||
+        (hook->begin_chunk == NULL && hook->after_block == NULL)) {
+        if (hook->free != NULL) hook->free(hook->ctx); /* the model's from the call on */
+        return LM_EINVAL;
+    }
+    m->dec.hooks[m->dec.n_hooks++] = *hook;
+    return LM_OK;
+}
+
+void *lm_decoder_hook_ctx(lm_base *b, lm_begin_chunk_fn begin_chunk,
+                          lm_after_block_fn after_block) {
+    if (b == NULL || b->forward_chunk != decoder_model_chunk) return NULL;
+    const lm_decoder *d = &((lm_decoder_model *)b)->dec;
+    for (int h = 0; h < d->n_hooks; h++) {
+        const lm_hook *k = &d->hooks[h];
+        if (k->begin_chunk == begin_chunk && k->after_block == after_block) return k->ctx;
+    }
+    return NULL;
 }
 
 /* A float buffer of `n` values, 64-byte aligned, into *out; LM_ENOMEM when it fails. */
@@ -985,8 +1072,7 @@ static int alloc_floats(float **out, int64_t n) {
 int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64_t n_vocab,
                       int64_t n_embd, lm_base **out) {
     if (m == NULL) return LM_EINVAL;
-    int status = out != NULL && m->dec.n_ext >= 0 && m->dec.n_ext <= (1 << 24) ? LM_OK
-                                                                                : LM_EINVAL;
+    int status = out != NULL ? LM_OK : LM_EINVAL;
     int side = 0; /* a block with a second feed-forward branch: b->xs */
     for (int l = 0; status == LM_OK && l < m->n_layer; l++) {
         const lm_block *blk = &m->blocks[l];
@@ -1010,8 +1096,6 @@ int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64
                               m->geometry, decoder_model_chunk, decoder_model_free);
     }
     if (status == LM_OK && side) status = alloc_floats(&m->base.xs, n_batch * (n_embd + 1));
-    if (status == LM_OK && m->dec.n_ext > 0)
-        status = alloc_floats(&m->base.ext, n_batch * m->dec.n_ext);
     if (status == LM_OK) status = lm_decoder_check(&m->base, &m->dec);
     if (status != LM_OK) {
         decoder_model_free(m);
@@ -1055,7 +1139,7 @@ int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
         float *out = all_logits ? logits + done * V : logits;
         /* earlier chunks need no logits unless all are asked for */
         const int64_t first = all_logits ? 0 : last ? n - 1 : n;
-        const lm_seq seq = {cache, pos + done, n};
+        const lm_seq seq = {cache, pos + done, n, 0};
         b->trace_row = done;
         LM_TRY(run_chunk(b, &seq, 1, tokens + done, n, out, first));
     }
@@ -1099,7 +1183,7 @@ int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int3
         if (!lm_cache_matches(c, b->n_layer, b->cache_layers)) status = LM_EMISMATCH;
         for (int j = 0; j < i; j++)
             if (caches[j] == c) status = LM_EINVAL; /* one sequence per cache */
-        table[i] = (lm_seq){c, pos[i], ntoks[i]};
+        table[i] = (lm_seq){c, pos[i], ntoks[i], 0};
         total += ntoks[i];
     }
     if (status == LM_OK && total > b->n_batch) status = LM_EINVAL;
@@ -1115,4 +1199,5 @@ int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int3
 }
 
 #undef ROW_OP_MIN_ELEMS
+#undef ARENA_HEADER
 #undef ROPE_PAIRS_MAX

@@ -26,15 +26,15 @@
  * attend to the cache of an earlier layer of their kind. The kit's decoder loop runs all of
  * it as block data (per-layer heads, windows and RoPE, the value norm, shared caches, the
  * experts beside the dense feed-forward, the output scale): this file maps the weight table
- * onto blocks, and adds the per-layer inputs through the decoder's hooks.
+ * onto blocks, and adds the per-layer inputs and DiffusionGemma's passes through two hooks of
+ * the decoder, which compose: the canvas embedding is what the per-layer inputs are projected
+ * from, and a pass's layer scalar multiplies a layer's output after its per-layer input.
  */
 #include "gemma_forward.h"
 
 #include <math.h>
-#include <stdlib.h>
 
-/* What the PLE hooks read; the chunk's inputs, (ntok, n_layer, n_embd_per_layer), are the
- * base's ext rows. */
+/* What the PLE hooks read and the chunk's inputs they write; all in the model's arena. */
 typedef struct g4_ple_layer {
     lm_matrix inp_gate;      /* (P, n_embd) */
     lm_matrix proj;          /* (n_embd, P) */
@@ -48,6 +48,7 @@ typedef struct g4_ple {
     int n_layer;
     int64_t P;               /* n_embd_per_layer */
     float eps;
+    float *rows;             /* (n_batch, n_layer * P) the chunk's per-layer inputs */
     g4_ple_layer layers[];   /* (n_layer) */
 } g4_ple;
 
@@ -55,7 +56,7 @@ typedef struct g4_ple {
 static int g4_ple_inputs(void *ctx, lm_base *b, const int32_t *tokens, int64_t ntok) {
     const g4_ple *p = ctx;
     const int64_t P = p->P, LP = p->n_layer * P, D = b->n_embd;
-    float *ple = b->ext, *tok = lm_base_tmp(b, sizeof(float) * (size_t)(ntok * LP));
+    float *ple = p->rows, *tok = lm_base_tmp(b, sizeof(float) * (size_t)(ntok * LP));
     if (tok == NULL) return LM_ENOMEM;
     LM_TRY(lm_get_rows(p->token_embd.type, p->token_embd.data, b->n_vocab, LP, tokens, ntok,
                        tok));
@@ -77,7 +78,7 @@ static int g4_ple_add(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n) {
     if (g == NULL) return LM_ENOMEM;
     LM_TRY(lm_matmul(b->pool, L->inp_gate.type, L->inp_gate.data, P, D, x, n, g));
     for (int64_t t = 0; t < n; t++) {
-        const float *in = b->ext + (r0 + t) * LP + (int64_t)layer * P;
+        const float *in = p->rows + (r0 + t) * LP + (int64_t)layer * P;
         LM_TRY(lm_glu_rows(b->pool, g + t * P, g + t * P, in, P, LM_ACT_GELU_TANH));
     }
     LM_TRY(lm_matmul(b->pool, L->proj.type, L->proj.data, D, P, g, n, xb));
@@ -85,25 +86,29 @@ static int g4_ple_add(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n) {
     return lm_add_rows(x, xb, n * D);
 }
 
-/* The hooks' weights, checked (the kit sees none of them). */
-static int g4_ple_new(const gemma4_config *c, const gemma4_weights *w, g4_ple **out) {
+/* The PLE hooks on m, their weights checked (the kit sees none of them). */
+static int g4_ple_hook(lm_decoder_model *m, const gemma4_config *c, const gemma4_weights *w,
+                       int64_t n_batch) {
     const int64_t P = c->n_embd_per_layer, D = c->n_embd;
     if (!lm_matrix_ok(w->ple_token_embd, c->n_layer * P) || !lm_matrix_ok(w->ple_model_proj, D))
         return LM_ETYPE;
-    g4_ple *p = malloc(sizeof *p + sizeof p->layers[0] * (size_t)c->n_layer);
+    if (w->ple_proj_norm == NULL) return LM_EINVAL;
+    for (int l = 0; l < c->n_layer; l++) {
+        const gemma4_layer *L = &w->layers[l];
+        if (!lm_matrix_ok(L->inp_gate, D) || !lm_matrix_ok(L->proj, P)) return LM_ETYPE;
+        if (L->ple_post_norm == NULL) return LM_EINVAL;
+    }
+    g4_ple *p = lm_base_alloc(&m->base, sizeof *p + sizeof p->layers[0] * (size_t)c->n_layer);
     if (p == NULL) return LM_ENOMEM;
     *p = (g4_ple){w->ple_token_embd, w->ple_model_proj, w->ple_proj_norm, c->n_layer, P,
-                  c->rms_eps};
-    int status = p->proj_norm != NULL ? LM_OK : LM_EINVAL;
-    for (int l = 0; status == LM_OK && l < c->n_layer; l++) {
+                  c->rms_eps, NULL};
+    LM_TRY(lm_base_floats(&m->base, n_batch * c->n_layer * P, &p->rows));
+    for (int l = 0; l < c->n_layer; l++) {
         const gemma4_layer *L = &w->layers[l];
         p->layers[l] = (g4_ple_layer){L->inp_gate, L->proj, L->ple_post_norm};
-        if (!lm_matrix_ok(L->inp_gate, D) || !lm_matrix_ok(L->proj, P)) status = LM_ETYPE;
-        if (L->ple_post_norm == NULL) status = LM_EINVAL;
     }
-    if (status != LM_OK) free(p);
-    *out = status == LM_OK ? p : NULL;
-    return status;
+    const lm_hook hook = {p, g4_ple_inputs, g4_ple_add, NULL};
+    return lm_decoder_add_hook(m, &hook);
 }
 
 /* DiffusionGemma: the canvas embedding and the two passes' layer scalars (the hooks' ctx). */
@@ -153,46 +158,36 @@ static int g4_pass_scale(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n
     return s != NULL ? lm_scale_rows(b->x + r0 * b->n_embd, s[0], n * b->n_embd) : LM_OK;
 }
 
-static void g4_diffusion_free(void *ctx) {
-    g4_diffusion *d = ctx;
-    free(d->scales);
-    free(d);
-}
-
-/* The hooks' weights, checked. */
-static int g4_diffusion_new(const gemma4_config *c, const gemma4_weights *w, g4_diffusion **out) {
-    *out = NULL;
+/* The diffusion hooks on m, their weights checked; the blocks' out_scale is theirs. */
+static int g4_diffusion_hook(lm_decoder_model *m, const gemma4_config *c,
+                             const gemma4_weights *w) {
     if (!lm_matrix_ok(w->sc_gate, c->n_embd) || !lm_matrix_ok(w->sc_up, c->n_embd) ||
         !lm_matrix_ok(w->sc_down, w->sc_n_ff) || w->sc_n_ff <= 0)
         return LM_ETYPE;
-    g4_diffusion *d = calloc(1, sizeof *d);
-    const float **scales = calloc(2 * (size_t)c->n_layer, sizeof *scales);
-    if (d == NULL || scales == NULL) {
-        free(d);
-        free(scales);
-        return LM_ENOMEM;
+    for (int l = 0; l < c->n_layer; l++) {
+        const gemma4_layer *L = &w->layers[l];
+        if ((L->out_scale != NULL && !isfinite(L->out_scale[0])) ||
+            (L->enc_out_scale != NULL && !isfinite(L->enc_out_scale[0])))
+            return LM_EINVAL;
     }
+    g4_diffusion *d = lm_base_alloc(&m->base, sizeof *d);
+    const float **scales = lm_base_alloc(&m->base, 2 * (size_t)c->n_layer * sizeof *scales);
+    if (d == NULL || scales == NULL) return LM_ENOMEM;
     *d = (g4_diffusion){w->sc_pre_norm, w->sc_gate, w->sc_up, w->sc_down, w->sc_n_ff,
                         c->rms_eps, NULL, 0, c->n_layer, scales};
     for (int l = 0; l < c->n_layer; l++) {
         const gemma4_layer *L = &w->layers[l];
         scales[l] = L->enc_out_scale;
         scales[c->n_layer + l] = L->out_scale;
-        if ((L->out_scale != NULL && !isfinite(L->out_scale[0])) ||
-            (L->enc_out_scale != NULL && !isfinite(L->enc_out_scale[0]))) {
-            g4_diffusion_free(d);
-            return LM_EINVAL;
-        }
+        m->blocks[l].out_scale = NULL; /* the hook's, by pass */
     }
-    *out = d;
-    return LM_OK;
+    const lm_hook hook = {d, g4_canvas_embed, g4_pass_scale, NULL};
+    return lm_decoder_add_hook(m, &hook);
 }
 
 int gemma4_self_condition(lm_base *b, const float *soft, int64_t n) {
-    lm_decoder_model *m = (lm_decoder_model *)b;
-    if (b == NULL || m->dec.begin_chunk != g4_canvas_embed || n < 0 || (soft == NULL) != (n == 0))
-        return LM_EINVAL;
-    g4_diffusion *d = m->dec.ctx;
+    g4_diffusion *d = lm_decoder_hook_ctx(b, g4_canvas_embed, g4_pass_scale);
+    if (d == NULL || n < 0 || (soft == NULL) != (n == 0)) return LM_EINVAL;
     d->soft = soft;
     d->n_soft = n;
     return LM_OK;
@@ -228,39 +223,24 @@ int gemma4_build(const gemma4_config *config, const lm_decoder_tensors *tensors,
     const gemma4_config *c = config;
     if (c == NULL || tensors == NULL || tensors->layers == NULL || weights == NULL ||
         weights->layers == NULL || out == NULL || c->n_layer <= 0 || c->n_embd_per_layer < 0 ||
-        c->n_swa < 0)
+        c->n_swa < 0 || n_batch <= 0 || n_batch > (1 << 20))
         return LM_EINVAL;
-    const int diffusion = weights->sc_pre_norm != NULL;
-    if (diffusion && c->n_embd_per_layer > 0) return LM_EINVAL; /* one set of hooks */
-    g4_ple *ple = NULL;
-    g4_diffusion *dif = NULL;
-    if (c->n_embd_per_layer > 0) LM_TRY(g4_ple_new(c, weights, &ple));
-    if (diffusion) LM_TRY(g4_diffusion_new(c, weights, &dif));
     lm_decoder_model *m;
-    const int status = lm_decoder_new(c->n_layer, &m);
-    if (status != LM_OK) {
-        free(ple);
-        if (dif != NULL) g4_diffusion_free(dif);
-        return status;
-    }
+    LM_TRY(lm_decoder_new(c->n_layer, &m));
     m->rope = tensors->rope;
     m->rope_swa = tensors->rope_swa;
     for (int l = 0; l < c->n_layer; l++) g4_block(m, c, &tensors->layers[l], &weights->layers[l], l);
-    if (dif != NULL) {
-        for (int l = 0; l < c->n_layer; l++) m->blocks[l].out_scale = NULL; /* the hook's */
-        m->dec.ctx = dif;
-        m->dec.free_ctx = g4_diffusion_free;
-        m->dec.begin_chunk = g4_canvas_embed;
-        m->dec.after_block = g4_pass_scale;
-    }
     m->dec.embd_scale = sqrtf((float)c->n_embd);
     m->dec.logit_softcap = c->logit_softcap;
-    if (ple != NULL) {
-        m->dec.ctx = ple;
-        m->dec.free_ctx = free;
-        m->dec.begin_chunk = g4_ple_inputs;
-        m->dec.after_block = g4_ple_add;
-        m->dec.n_ext = (int64_t)c->n_layer * c->n_embd_per_layer;
+    /* diffusion first: the hooks nest, so its canvas embedding comes before the per-layer
+     * inputs are projected from the embeddings, and its pass's scalar after a layer's
+     * per-layer input is added */
+    int status = LM_OK;
+    if (weights->sc_pre_norm != NULL) status = g4_diffusion_hook(m, c, weights);
+    if (status == LM_OK && c->n_embd_per_layer > 0) status = g4_ple_hook(m, c, weights, n_batch);
+    if (status != LM_OK) {
+        lm_model_free(&m->base);
+        return status;
     }
     return lm_decoder_end(m, &tensors->io, c->rms_eps, c->n_vocab, c->n_embd, n_threads, n_batch,
                           out);

@@ -74,8 +74,8 @@ class DiffusionGemmaConfig(Gemma4Config):
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> DiffusionGemmaConfig:
         base = Gemma4Config.from_gguf.__func__(cls, gguf)  # type: ignore[attr-defined]
-        if base.n_embd_per_layer or base.n_kv_shared:
-            raise GGUFError(f"{gguf.path}: DiffusionGemma has no per-layer inputs or shared KV")
+        if base.n_kv_shared:
+            raise GGUFError(f"{gguf.path}: DiffusionGemma has no shared KV")
         canvas = gguf.get("diffusion.canvas_length")
         if not isinstance(canvas, int) or not 1 <= canvas <= MAX_CANVAS:
             raise GGUFError(f"{gguf.path}: diffusion.canvas_length {canvas!r}: expected an "

@@ -6,9 +6,10 @@
 #include "inkling_forward.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
+/* The model and everything it points to that is not a weight lie in its arena
+ * (lm_model_new, lm_base_alloc): lm_model_free frees them. */
 typedef struct ink_model {
     lm_base base; /* first: the kit drives the model through it */
     inkling_config c;
@@ -24,26 +25,9 @@ typedef struct ink_model {
     int32_t *ids, *sids;
 } ink_model;
 
-static void *ink_alloc(size_t n_floats) {
-    const size_t bytes = (n_floats * sizeof(float) + 63) & ~(size_t)63;
-    return bytes == 0 ? NULL : aligned_alloc(64, bytes);
-}
-
-static void ink_free(void *self) {
-    ink_model *m = self;
-    if (m == NULL) return;
-    lm_base_free(&m->base);
-    float *bufs[] = {m->q, m->k, m->v, m->r, m->bias, m->att, m->mo, m->rl, m->w, m->sw, m->conv};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
-    free(m->ids);
-    free(m->sids);
-    free(m->layers);
-    free(m->geometry);
-    free(m->dense);
-    free(m->routed);
-    free(m->shared);
-    free(m->state_off);
-    free(m);
+/* n_floats floats of the model's arena (at least one), as `float *` or `int32_t *`. */
+static void *ink_alloc(ink_model *m, int64_t n_floats) {
+    return lm_base_alloc(&m->base, sizeof(float) * (size_t)(n_floats > 0 ? n_floats : 1));
 }
 
 /* x (rows of the chunk, C channels) = x + causal depthwise conv of x, kernel w (C, K), each
@@ -256,20 +240,21 @@ int inkling_build(const inkling_config *config, const inkling_weights *weights, 
     const int NL = c->dims.n_layer;
     const int64_t D = c->dims.n_embd, H = c->dims.n_head, HD = c->dims.head_dim;
     const int64_t S = c->conv_kernel - 1;
-    ink_model *m = calloc(1, sizeof *m);
-    if (m == NULL) return LM_ENOMEM;
+    lm_base *base;
+    LM_TRY(lm_model_new(sizeof(ink_model), &base));
+    ink_model *m = (ink_model *)base;
     m->c = *c;
     m->io = weights->io;
     m->embd_norm = weights->token_embd_norm;
-    m->layers = calloc((size_t)NL, sizeof *m->layers);
-    m->geometry = calloc((size_t)NL, sizeof *m->geometry);
-    m->dense = calloc((size_t)NL, sizeof *m->dense);
-    m->routed = calloc((size_t)NL, sizeof *m->routed);
-    m->shared = calloc((size_t)NL, sizeof *m->shared);
-    m->state_off = calloc((size_t)NL * 4, sizeof *m->state_off);
+    m->layers = lm_base_alloc(base, (size_t)NL * sizeof *m->layers);
+    m->geometry = lm_base_alloc(base, (size_t)NL * sizeof *m->geometry);
+    m->dense = lm_base_alloc(base, (size_t)NL * sizeof *m->dense);
+    m->routed = lm_base_alloc(base, (size_t)NL * sizeof *m->routed);
+    m->shared = lm_base_alloc(base, (size_t)NL * sizeof *m->shared);
+    m->state_off = lm_base_alloc(base, (size_t)NL * 4 * sizeof *m->state_off);
     if (m->layers == NULL || m->geometry == NULL || m->dense == NULL || m->routed == NULL ||
         m->shared == NULL || m->state_off == NULL) {
-        ink_free(m);
+        lm_model_free(base);
         return LM_ENOMEM;
     }
     int64_t kvd_max = 0, x_max = c->rel_extent > c->rel_extent_swa ? c->rel_extent
@@ -306,34 +291,32 @@ int inkling_build(const inkling_config *config, const inkling_weights *weights, 
         }
     }
     /* the padded rows of the vocabulary are neither read nor scored */
-    const int rc = lm_base_init(&m->base, n_threads, n_batch, c->n_vocab_unpadded, D, NL,
-                                m->geometry,
-                                ink_chunk, ink_free);
+    const int rc = lm_base_init(base, n_threads, n_batch, c->n_vocab_unpadded, D, NL,
+                                m->geometry, ink_chunk, NULL);
     if (rc != LM_OK) {
-        ink_free(m);
+        lm_model_free(base);
         return rc;
     }
-    const size_t nb = (size_t)n_batch;
     const int64_t ES = c->n_expert + c->n_shared;
-    m->q = ink_alloc(nb * H * HD);
-    m->k = ink_alloc(nb * kvd_max);
-    m->v = ink_alloc(nb * kvd_max);
-    m->r = ink_alloc(nb * H * c->d_rel);
-    m->bias = ink_alloc(nb * H * x_max);
-    m->att = ink_alloc(nb * H * HD);
-    m->mo = ink_alloc(nb * D);
-    m->rl = ink_alloc(nb * (ES > 0 ? ES : 1));
-    m->w = ink_alloc(nb * (c->n_expert_used > 0 ? c->n_expert_used : 1));
-    m->sw = ink_alloc(nb * (c->n_shared > 0 ? c->n_shared : 1));
-    m->conv = ink_alloc((size_t)(S * (kvd_max > D ? kvd_max : D)));
-    m->ids = ink_alloc(nb * (c->n_expert_used > 0 ? c->n_expert_used : 1));
-    m->sids = ink_alloc(nb * (c->n_shared > 0 ? c->n_shared : 1));
+    m->q = ink_alloc(m, n_batch * H * HD);
+    m->k = ink_alloc(m, n_batch * kvd_max);
+    m->v = ink_alloc(m, n_batch * kvd_max);
+    m->r = ink_alloc(m, n_batch * H * c->d_rel);
+    m->bias = ink_alloc(m, n_batch * H * x_max);
+    m->att = ink_alloc(m, n_batch * H * HD);
+    m->mo = ink_alloc(m, n_batch * D);
+    m->rl = ink_alloc(m, n_batch * ES);
+    m->w = ink_alloc(m, n_batch * c->n_expert_used);
+    m->sw = ink_alloc(m, n_batch * c->n_shared);
+    m->conv = ink_alloc(m, S * (kvd_max > D ? kvd_max : D));
+    m->ids = ink_alloc(m, n_batch * c->n_expert_used);
+    m->sids = ink_alloc(m, n_batch * c->n_shared);
     if (m->q == NULL || m->k == NULL || m->v == NULL || m->r == NULL || m->bias == NULL ||
         m->att == NULL || m->mo == NULL || m->rl == NULL || m->w == NULL || m->sw == NULL ||
         m->conv == NULL || m->ids == NULL || m->sids == NULL) {
-        ink_free(m);
+        lm_model_free(base);
         return LM_ENOMEM;
     }
-    *out = &m->base;
+    *out = base;
     return LM_OK;
 }

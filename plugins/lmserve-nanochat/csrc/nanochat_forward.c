@@ -10,7 +10,6 @@
 #include "nanochat_forward.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* A cache's continuation: the position its next chunk starts at and the token before it. */
@@ -20,6 +19,7 @@ typedef struct nc_prev {
     int32_t token;
 } nc_prev;
 
+/* The hooks' context; it and its buffers lie in the model's arena. */
 typedef struct nc_ctx {
     int n_layer;
     int64_t D, KVD, n_vocab;
@@ -39,24 +39,15 @@ typedef struct nc_ctx {
     int n_prev, cap;
 } nc_ctx;
 
-static void nc_free(void *self) {
-    nc_ctx *c = self;
-    if (c == NULL) return;
-    free(c->ve);
-    free(c->x0);
-    free(c->xback);
-    free(c->ve_rows);
-    free(c->row);
-    free(c->prev);
-    free(c);
-}
+static int nc_begin_chunk(void *ctx, lm_base *b, const int32_t *tokens, int64_t ntok);
+static int nc_after_block(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n);
 
 int nanochat_previous(lm_base *model, int n, lm_cache *const *caches, const int64_t *pos,
                       const int32_t *tokens) {
     if (model == NULL || n < 0 || (n > 0 && (caches == NULL || pos == NULL || tokens == NULL)))
         return LM_EINVAL;
-    nc_ctx *c = ((lm_decoder_model *)model)->dec.ctx;
-    if (n > c->cap) return LM_EINVAL;
+    nc_ctx *c = lm_decoder_hook_ctx(model, nc_begin_chunk, nc_after_block);
+    if (c == NULL || n > c->cap) return LM_EINVAL;
     for (int i = 0; i < n; i++) {
         if (caches[i] == NULL || pos[i] < 0 || (pos[i] > 0 && tokens[i] < 0) ||
             tokens[i] >= c->n_vocab)
@@ -158,11 +149,13 @@ static int nc_after_block(void *ctx, lm_base *b, int layer, int64_t r0, int64_t 
     return LM_OK;
 }
 
-/* The hooks' context for a model of config c and weights w. */
-static int nc_ctx_new(const nanochat_config *cfg, const lm_decoder_tensors *t,
-                      const nanochat_weights *w, int64_t n_batch, nc_ctx **out) {
+/* The hooks' context for a model of config c and weights w, in m's arena. */
+static int nc_ctx_new(lm_decoder_model *m, const nanochat_config *cfg,
+                      const lm_decoder_tensors *t, const nanochat_weights *w, int64_t n_batch,
+                      nc_ctx **out) {
     const lm_dims *d = &cfg->dims;
-    nc_ctx *c = calloc(1, sizeof *c);
+    lm_base *b = &m->base;
+    nc_ctx *c = lm_base_alloc(b, sizeof *c);
     *out = c;
     if (c == NULL) return LM_ENOMEM;
     c->n_layer = d->n_layer;
@@ -179,16 +172,13 @@ static int nc_ctx_new(const nanochat_config *cfg, const lm_decoder_tensors *t,
     c->smear_lambda = w->smear_lambda;
     c->backout_lambda = w->backout_lambda;
     c->cap = (int)n_batch;
-    c->ve = calloc((size_t)d->n_layer, sizeof *c->ve);
-    c->x0 = c->resid != NULL ? malloc(sizeof(float) * (size_t)(n_batch * c->D)) : NULL;
-    c->xback = cfg->backout_layer >= 0 ? malloc(sizeof(float) * (size_t)(n_batch * c->D)) : NULL;
-    c->ve_rows = malloc(sizeof(float) * (size_t)(n_batch * c->KVD));
-    c->row = malloc(sizeof(float) * (size_t)c->D);
-    c->prev = calloc((size_t)n_batch, sizeof *c->prev);
-    if (c->ve == NULL || (c->resid != NULL && c->x0 == NULL) ||
-        (cfg->backout_layer >= 0 && c->xback == NULL) || c->ve_rows == NULL || c->row == NULL ||
-        c->prev == NULL)
-        return LM_ENOMEM;
+    c->ve = lm_base_alloc(b, (size_t)d->n_layer * sizeof *c->ve);
+    c->prev = lm_base_alloc(b, (size_t)n_batch * sizeof *c->prev);
+    if (c->ve == NULL || c->prev == NULL) return LM_ENOMEM;
+    if (c->resid != NULL) LM_TRY(lm_base_floats(b, n_batch * c->D, &c->x0));
+    if (cfg->backout_layer >= 0) LM_TRY(lm_base_floats(b, n_batch * c->D, &c->xback));
+    LM_TRY(lm_base_floats(b, n_batch * c->KVD, &c->ve_rows));
+    LM_TRY(lm_base_floats(b, c->D, &c->row));
     for (int l = 0; l < d->n_layer; l++) c->ve[l] = w->layers[l].value_embd;
     return LM_OK;
 }
@@ -216,22 +206,18 @@ int nanochat_build(const nanochat_config *config, const lm_decoder_tensors *tens
              L->ve_gate == NULL))
             return LM_EINVAL;
     }
+    lm_decoder_model *m;
+    LM_TRY(lm_decoder_begin(d, tensors, 1.0f / sqrtf((float)d->head_dim), 0, &m));
     nc_ctx *c = NULL;
-    const int status = nc_ctx_new(cfg, tensors, weights, n_batch, &c);
+    int status = nc_ctx_new(m, cfg, tensors, weights, n_batch, &c);
+    if (status == LM_OK) {
+        const lm_hook hook = {c, nc_begin_chunk, nc_after_block, NULL};
+        status = lm_decoder_add_hook(m, &hook);
+    }
     if (status != LM_OK) {
-        nc_free(c);
+        lm_model_free(&m->base);
         return status;
     }
-    lm_decoder_model *m;
-    const int begun = lm_decoder_begin(d, tensors, 1.0f / sqrtf((float)d->head_dim), 0, &m);
-    if (begun != LM_OK) {
-        nc_free(c);
-        return begun;
-    }
-    m->dec.ctx = c;
-    m->dec.free_ctx = nc_free; /* from here on the model frees c, also when a step fails */
-    m->dec.begin_chunk = nc_begin_chunk;
-    m->dec.after_block = nc_after_block;
     m->dec.logit_softcap = cfg->logit_softcap;
     for (int l = 0; l < d->n_layer; l++) {
         const nanochat_layer *L = &weights->layers[l];

@@ -13,7 +13,7 @@
 
 #include "lmserve/types.h"
 
-#define LM_KIT_ABI 6
+#define LM_KIT_ABI 7
 
 #define LM_KIT_INT(X)                                                                              \
     X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \
@@ -99,9 +99,15 @@
       (lm_pool * pool, const float *q, const lm_cache *c, int layer, float *out, int64_t ntok,   \
        int64_t pos0, int n_head, float scale, int64_t window, float softcap, const float *bias,  \
        int64_t bias_extent),                                                                       \
-      (pool, q, c, layer, out, ntok, pos0, n_head, scale, window, softcap, bias, bias_extent))
+      (pool, q, c, layer, out, ntok, pos0, n_head, scale, window, softcap, bias, bias_extent))  \
+    X(int, lm_model_new, (size_t bytes, lm_base **out), (bytes, out))                            \
+    X(void *, lm_base_alloc, (lm_base * b, size_t bytes), (b, bytes))                             \
+    X(int, lm_decoder_add_hook, (lm_decoder_model * m, const lm_hook *hook), (m, hook))          \
+    X(void *, lm_decoder_hook_ctx,                                                                 \
+      (lm_base * b, lm_begin_chunk_fn begin_chunk, lm_after_block_fn after_block),                \
+      (b, begin_chunk, after_block))
 
-#define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b))
+#define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b)) X(lm_model_free, (lm_base * b), (b))
 
 /* The table: an ABI tag, its own size, then one pointer per function above. */
 #define LM_KIT_FIELD_INT(ret, name, params, args) ret(*name) params;

@@ -204,12 +204,22 @@ int lm_attention_cached_span(lm_pool *pool, const float *q, const lm_cache *cach
                              int64_t window, float softcap, int bidir);
 
 /* ------------------------------------------------------------------ model base and layers */
+/* A family model's struct of `bytes` (at least an lm_base, which it starts with), zeroed, as
+ * the first allocation of its own arena: lm_model_free frees it with everything
+ * lm_base_alloc handed out for it. */
+int lm_model_new(size_t bytes, lm_base **out);
+/* `bytes` of zeroed memory, 64-byte aligned, that live as long as b's model (its arena):
+ * the family's scratch and state; NULL when out of memory. */
+void *lm_base_alloc(lm_base *b, size_t bytes);
 /* Fill the kit's part of a family model: a pool of n_threads (<= 0: one per core), the
  * residual buffers for n_batch tokens, the cache geometry (borrowed) and the family's
- * callbacks. */
+ * callbacks (free_model NULL: lm_base_free). Keeps the arena; on failure releases what it
+ * allocated (the model is then the caller's to free). */
 int lm_base_init(lm_base *b, int n_threads, int64_t n_batch, int64_t n_vocab, int64_t n_embd,
                  int n_layer, const lm_cache_layer *layers, lm_chunk_fn forward_chunk,
                  void (*free_model)(void *));
+/* Releases the kit's buffers, then the arena (the model's struct too when lm_model_new made
+ * it: b is gone after the call). */
 void lm_base_free(lm_base *b);
 /* Scratch of at least `bytes` (64-byte aligned) owned by b, valid until the next call. */
 void *lm_base_tmp(lm_base *b, size_t bytes);
@@ -270,8 +280,16 @@ int lm_decoder_chunk(lm_base *b, const lm_decoder *d, const int32_t *tokens, int
  * set, for the base's sizes; LM_ETYPE / LM_EINVAL otherwise (run it before lm_base_init's
  * model serves a call). */
 int lm_decoder_check(const lm_base *b, const lm_decoder *d);
-/* A decoder model whose n_layer blocks the family fills next (zeroed). */
+/* A decoder model whose n_layer blocks the family fills next (zeroed); until
+ * lm_decoder_finish, lm_model_free(&m->base) frees it. */
 int lm_decoder_new(int n_layer, lm_decoder_model **out);
+/* Appends a hook to the decoder's (at most 4): the model owns its ctx from this call on,
+ * also when the call fails (LM_EINVAL: no room, or neither function set). */
+int lm_decoder_add_hook(lm_decoder_model *m, const lm_hook *hook);
+/* The ctx of b's first decoder hook with exactly these functions; NULL when b is not a kit
+ * decoder model or has none. */
+void *lm_decoder_hook_ctx(lm_base *b, lm_begin_chunk_fn begin_chunk,
+                          lm_after_block_fn after_block);
 /* Derive the cache geometry from the blocks, start the base and check every weight; *out is
  * the model's lm_base, freed by lm_model_free. On failure the model is freed. */
 int lm_decoder_finish(lm_decoder_model *m, int n_threads, int64_t n_batch, int64_t n_vocab,
@@ -291,7 +309,7 @@ int lm_forward_bidirectional(lm_base *b, lm_cache *cache, const int32_t *tokens,
  * logits NULL: only b->hidden's rows, for a decoder the kit runs whole (else LM_EINVAL). */
 int lm_forward_batch(lm_base *b, int n_seqs, lm_cache *const *caches, const int32_t *tokens,
                      const int64_t *ntoks, const int64_t *pos, float *logits);
-/* Frees a family model through its free_model callback. */
+/* Frees a family model through its free_model callback (NULL: lm_base_free). */
 void lm_model_free(lm_base *b);
 /* The table handed to family modules (lmserve/kit.h). */
 const void *lm_kit_table(void);

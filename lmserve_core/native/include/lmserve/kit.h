@@ -12,12 +12,16 @@
  *   - a pre-norm decoder (llama, qwen3, qwen35, gemma3, gemma4) fills the blocks of an
  *     lm_decoder_model between lm_decoder_new and lm_decoder_finish and runs on the kit's own
  *     chunk loop; what its blocks do is data (lm_block: the mixer, per-layer heads, windows
- *     and RoPE, shared caches, the feed-forward's kind and norms), and a step of its own
- *     between the blocks is a hook of the decoder (lm_decoder: begin_chunk, after_block);
- *   - anything else fills an lm_base (lm_base_init) with its own forward_chunk, made of the
- *     layer helpers (lm_embed, lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the
- *     threaded row ops; a router of its own feeds lm_moe_experts (its routing by
- *     lm_moe_route).
+ *     and RoPE, shared caches, the feed-forward's kind and norms), and each step of its own
+ *     between the blocks is a hook with its own context (lm_decoder_add_hook: begin_chunk,
+ *     after_block, free; several compose, nested in the order added);
+ *   - anything else makes its model struct with lm_model_new, fills the lm_base it starts
+ *     with (lm_base_init) with its own forward_chunk, made of the layer helpers (lm_embed,
+ *     lm_self_attention, lm_glu_ffn, lm_moe_ffn, lm_logits) and the threaded row ops; a
+ *     router of its own feeds lm_moe_experts (its routing by lm_moe_route).
+ * The kit owns the memory: a family's scratch and state (hook contexts, per-layer tables,
+ * buffers of n_batch rows) come from the model's arena (lm_base_alloc) and are freed with
+ * it by lm_model_free, so a family allocates and frees nothing itself.
  * Sizes are int64_t element counts; every function returns LM_OK or a negative status;
  * nothing exits or prints.
  */
@@ -152,6 +156,14 @@ static inline int lm_decoder_end(lm_decoder_model *m, const lm_io_tensors *io, f
     m->dec.output = io->output;
     m->dec.norm_eps = norm_eps;
     return lm_decoder_finish(m, n_threads, n_batch, n_vocab, n_embd, out);
+}
+
+/* n floats (zeroed, 64-byte aligned) of b's arena into *out; LM_ENOMEM when it fails. */
+static inline int lm_base_floats(lm_base *b, int64_t n, float **out) {
+    *out = NULL;
+    if (n < 0) return LM_EINVAL;
+    *out = (float *)lm_base_alloc(b, sizeof(float) * (size_t)n);
+    return *out != NULL ? LM_OK : LM_ENOMEM;
 }
 
 /* 1 when m is a matrix of a type the kernels decode with rows of `cols` elements. */

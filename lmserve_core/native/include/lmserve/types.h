@@ -199,7 +199,7 @@ typedef struct lm_attn {
     /* A value residual (ResFormer's value embeddings): a vector of n_kv_head * head_dim floats
      * per row of the chunk added to the row's values (after bv and before v_norm), kv head h's
      * part times its gate v_gate_scale * sigmoid(v_gate[h] . x[:v_gate_cols]), x the block's
-     * normed input. The family fills the rows (e.g. in its decoder's ext rows, from a table
+     * normed input. The family fills the rows (e.g. in rows of the model's arena, from a table
      * indexed by the chunk's tokens) before the block runs. Not with kv_shared. */
     const float *v_extra;   /* row r of the chunk at v_extra + r * v_extra_stride; NULL: none */
     int64_t v_extra_stride; /* floats from one row to the next */
@@ -312,15 +312,30 @@ typedef struct lm_block {
     const float *out_scale;   /* (1) multiplies the layer's output, or NULL */
 } lm_block;
 
+/* A step of a family's own between the decoder's blocks, with its context (each function
+ * NULL: none):
+ *   begin_chunk(ctx, b, tokens, ntok)   after the embedding (b->x), before the first block
+ *   after_block(ctx, b, layer, r0, n)   after block `layer` ran rows [r0, r0 + n) of b->x,
+ *                                       before its out_scale; b->xb is free scratch
+ *   free(ctx)                           when the model is freed: releases what ctx holds
+ *                                       outside the model's arena (lm_base_alloc), if anything
+ * A context in the model's arena needs no free. */
+typedef int (*lm_begin_chunk_fn)(void *ctx, lm_base *b, const int32_t *tokens, int64_t ntok);
+typedef int (*lm_after_block_fn)(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n);
+typedef struct lm_hook {
+    void *ctx;
+    lm_begin_chunk_fn begin_chunk;
+    lm_after_block_fn after_block;
+    void (*free)(void *ctx);
+} lm_hook;
+
 /* A decoder-only transformer of pre-norm blocks: embedding, blocks, final norm, output.
  *
  * A chunk runs every block over all its rows, except the trailing blocks that write no cache
  * (attention with kv_shared): they run only over the rows whose logits are asked for.
- * A family with a step of its own between the blocks supplies hooks (each NULL: none), given
- * ctx; b->ext holds n_ext floats per row of the chunk for them:
- *   begin_chunk(ctx, b, tokens, ntok)   after the embedding (b->x), before the first block
- *   after_block(ctx, b, layer, r0, n)   after block `layer` ran rows [r0, r0 + n) of b->x,
- *                                       before its out_scale; b->xb is free scratch */
+ * A family with steps of its own between the blocks adds hooks (lm_decoder_add_hook). They
+ * nest in the order added: every begin_chunk runs first to last, every after_block last to
+ * first, so the first hook added sees the embeddings first and a block's output last. */
 typedef struct lm_decoder {
     lm_matrix token_embd;     /* (n_vocab, n_embd) */
     const lm_block *blocks;   /* (n_layer) */
@@ -329,11 +344,8 @@ typedef struct lm_decoder {
     float norm_eps;           /* of the output norm */
     float embd_scale;         /* multiplies the embeddings (Gemma: sqrt(n_embd)); 0: none */
     float logit_softcap;      /* cap * tanh(logit / cap); 0: none */
-    void *ctx;                /* the family's, handed to the hooks */
-    int (*begin_chunk)(void *ctx, lm_base *b, const int32_t *tokens, int64_t ntok);
-    int (*after_block)(void *ctx, lm_base *b, int layer, int64_t r0, int64_t n);
-    void (*free_ctx)(void *ctx);  /* frees ctx with the model (lm_decoder_model); or NULL */
-    int64_t n_ext;            /* floats per row of b->ext (0: none) */
+    int n_hooks;
+    lm_hook hooks[4];         /* (n_hooks) in the order added */
 } lm_decoder;
 
 /* One sequence's rows of a chunk: consecutive rows at positions pos.. of its own cache. */
@@ -361,6 +373,13 @@ typedef struct lm_trace {
     int n_used;
 } lm_trace;
 
+/* What a model's build was handed (lm_base_alloc): freed with the model. Every allocation
+ * begins with a link to the one before. */
+typedef struct lm_arena {
+    void *last;             /* the latest allocation, or NULL */
+    size_t bytes;           /* handed out so far */
+} lm_arena;
+
 /* The kit's part of a family model: the family's model struct starts with it. */
 struct lm_base {
     lm_pool *pool;
@@ -370,14 +389,15 @@ struct lm_base {
     int n_layer;
     const lm_cache_layer *cache_layers; /* (n_layer) geometry of the caches it runs on */
     lm_chunk_fn forward_chunk;
-    void (*free_model)(void *model);    /* frees the family's own allocations, then calls
-                                           lm_base_free */
+    void (*free_model)(void *model);    /* frees what the family holds outside the arena,
+                                           then calls lm_base_free; NULL: lm_base_free */
+    lm_arena arena;         /* the model's memory: its struct (lm_model_new), the family's
+                               scratch and state (lm_base_alloc) */
     float *x;               /* (n_batch, n_embd) residual stream */
     float *xb;              /* (n_batch, n_embd) normed input / block output */
     float *xs;              /* (n_batch, n_embd + 1) a shared expert's output and gate, or
                                the experts' output beside a dense ffn; NULL unless a block has
                                one (lm_decoder_finish allocates it) */
-    float *ext;             /* (n_batch, lm_decoder.n_ext) the decoder hooks' rows, or NULL */
     void *tmp;              /* scratch of the kit's layer helpers, grown on demand */
     size_t tmp_bytes;
     const lm_seq *seqs;     /* (n_seqs) whose rows the running chunk holds, in order */
