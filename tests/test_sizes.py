@@ -15,11 +15,7 @@ CLASS_LINES = 400
 # Modules still over a bound while they are being split; each leaves this list when its
 # split lands (the test then holds it to the bounds like every other module).
 ALLOWED = {
-    "tokenizer.py",
-    "tools.py",
-    "cartridge/train.py",
-    "native/kernels.py",
-    "kit/forward.py",
+    "tokenizer.py",  # its Tokenizer class
 }
 
 
