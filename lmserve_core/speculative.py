@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import structlog
 
+from .backend import HasModel
 from .gguf_file import GGUFFile
 from .model import ForwardModel, KVCache
 from .settings import ServerSettings
@@ -626,8 +627,10 @@ def draft_source(
         batch=1,
     )
     draft = spec.factory(str(path), draft_settings)
-    model = getattr(draft, "model", None)
-    theirs = getattr(draft, "tokenizer", None)
+    if not isinstance(draft, HasModel):
+        draft.close()
+        raise ValueError(f"the draft model {path}: its backend {spec.name} has no model to draft")
+    model, theirs = draft.model, draft.tokenizer
     n = tokenizer.vocab_size
     if (
         model is None
