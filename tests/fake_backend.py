@@ -54,6 +54,7 @@ def _capabilities() -> Capabilities:
         reasoning="reasoning" in caps,
         tools=HERMES if "tools" in caps else None,
         logit_bias="logit_bias" in caps,
+        token_prompts="token_prompts" in caps,
     )
 
 
@@ -105,17 +106,21 @@ class ScriptedBackend:
         self.context_length = settings.ctx
 
     def _prompt_text(self, request: NormalizedRequest) -> str:
+        if request.prompt_ids is not None:  # token-id prompts: each id a word
+            return " ".join(map(str, request.prompt_ids))
         if request.prompt is not None:
             return request.prompt
         users = [m.content for m in request.messages if m.role == "user"]
         return users[-1] if users else ""
 
     def _prompt_tokens(self, request: NormalizedRequest) -> int:
+        if request.prompt_ids is not None:
+            return max(1, len(request.prompt_ids))
         text = request.prompt or " ".join(m.content for m in request.messages)
         return max(1, len(text.split()))
 
     def validate(self, request: NormalizedRequest) -> None:
-        if request.prompt is None and not request.messages:
+        if request.prompt is None and request.prompt_ids is None and not request.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         n = self._prompt_tokens(request)
         if n >= self.context_length:

@@ -59,6 +59,8 @@ def test_models_meta_tells_the_family_context_and_capabilities(server: RunningSe
         "n_ctx": 4096,
         "kernels": K.kernels_name(),
         "capabilities": {"reasoning": True, "tools": "hermes", "grammar": True},
+        "embeddings": False,
+        "rerank": False,
     }
     assert model["meta"]["kernels"] in {isa.name.lower() for isa in K.available_isas()}
 

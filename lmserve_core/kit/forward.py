@@ -87,6 +87,10 @@ class NativeForwardModel(WeightTable):
     # True when every layer's cache rows are plain attention keys and values, the rows a
     # prompt's tokens would leave: then a KV prefix (a cartridge) can stand for them
     serves_prefix_rows: ClassVar[bool] = False
+    # True when every recurrent layer keeps the states a pass is asked for
+    # (``lm_cache_plan_snapshots``: the kit's DeltaNet mixer does): a prompt's checkpoints
+    # are then taken in the pass that reads past them, not by stopping there
+    checkpoints_in_pass: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, native: Any = None, config: Any = None, **kwargs: Any) -> None:
         # class Qwen3Model(NativeForwardModel, native=_forward, config=Qwen3Config)
@@ -272,9 +276,10 @@ class NativeForwardModel(WeightTable):
         if pos == 0 and recurrent:
             cache.truncate(0)  # a new sequence: its checkpoints are of another
         # a recurrent cache: the checkpoints planned inside the call, kept in the same pass
-        # (a pass keeps at most LM_MAX_SNAPSHOTS; past them it ends at the next one)
+        # (a pass keeps at most LM_MAX_SNAPSHOTS; past them it ends at the next one), or,
+        # for a model whose layers do not keep them, the pass stops at each
         stops = cache.stops(pos, ids.size) if recurrent else []
-        most = int(kernels.lib.LM_MAX_SNAPSHOTS)
+        most = int(kernels.lib.LM_MAX_SNAPSHOTS) if self.checkpoints_in_pass else 0
         end = pos + ids.size
         out = None if hidden is None else kernels.ffi.from_buffer(hidden, require_writable=True)
         with self._lock:

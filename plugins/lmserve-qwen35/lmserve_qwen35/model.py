@@ -24,6 +24,7 @@ class Qwen35Model(NativeForwardModel, native=_forward, config=Qwen35Config):
     """A hybrid DeltaNet / attention Qwen over a mapped GGUF."""
 
     config: Qwen35Config
+    checkpoints_in_pass = True  # its recurrent layers are the kit's DeltaNet mixer
 
     def setup(self) -> None:
         c = self.config
