@@ -247,6 +247,7 @@ def build_parser(commands: Mapping[str, plugins.CommandSpec] | None = None
         "readable on a terminal, JSON when stderr is a file or a pipe",
     )
     p.set_defaults(retrieval=RetrievalSettings())  # --rag-*, checked with --fleet
+    plugins.load_plugins()  # a fresh process (a cluster's replica) parses too
     plugins.call_hook("register_options", parser=p)  # a family's own flags
     return p
 

@@ -359,3 +359,14 @@ def test_malformed_model_file_is_a_clear_error_not_a_crash(tmp_path: Path) -> No
     out = run_cli(str(bad))
     assert out.returncode == 2
     assert "broken.gguf" in out.stderr and "impossible" in out.stderr
+
+
+def test_a_fresh_process_parses_the_families_flags() -> None:
+    """A cluster's replica parses lmserve's flags first thing: the plugins' own are there."""
+    code = (
+        "from lmserve_core.launch import build_parser; "
+        "a = build_parser().parse_args(['--nanochat', 'run', '--step', '2']); "
+        "print(a.nanochat, a.step)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["run", "2"], done.stderr
