@@ -22,8 +22,8 @@ between.
 conversations at once, each with a system prompt of its own (about 330 tokens); all first
 turns together, then all second turns (the whole conversation sent back). Per burst: how
 the first turns spread over the replicas, how many second turns reach their first turn's
-replica, the second turns' share of cached prompt tokens, TTFT p50 / p95 over every turn
-and aggregate completion tok/s. A refused turn (429) is sent again after its
+replica, the replicas' KV slots (from ``/metrics``), the second turns' share of cached
+prompt tokens, TTFT p50 / p95 over every turn and aggregate completion tok/s. A refused turn (429) is sent again after its
 ``retry-after``, as the OpenAI and Anthropic SDKs do, and its TTFT counts from the first
 attempt.
 """
@@ -176,6 +176,22 @@ async def run_burst(url: str, n: int) -> dict[str, Any]:
     }
 
 
+def replica_slots(url: str) -> list[int]:
+    """Each replica's KV slots, from the ingress's merged ``/metrics``: what a burst's
+    conversations have to fit in (``--kv-slots auto`` sizes them from free memory)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return []
+    slots: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("lmserve_kv_slots{") and 'replica="ingress"' not in line:
+            labels, value = line.rsplit(" ", 1)
+            replica = labels.split('replica="', 1)[-1].split('"', 1)[0]
+            slots[replica] = slots.get(replica, 0.0) + float(value)
+    return sorted((int(n) for n in slots.values()), reverse=True)
+
+
 def measure(url: str, chats: int, max_tokens: int) -> dict[str, Any]:
     asyncio.run(run_chats(url, chats, 8))  # warm up every replica
     figures = asyncio.run(run_chats(url, chats, max_tokens))
@@ -213,10 +229,11 @@ def main() -> None:
                 figures = measure(url, args.chats, args.max_tokens)
                 for n in bursts if setup != "plain" else []:
                     done = asyncio.run(run_burst(url, n))
+                    done["slots"] = replica_slots(url)
                     bursts_done.append({"setup": setup, "round": round_, **done})
                     report.print(
                         f"round {round_} {setup:>5} burst of {n}: first turns "
-                        f"{done['first_spread']}, {done['stayed']}/{n} second turns on their "
+                        f"{done['first_spread']} (KV slots {done['slots']}), {done['stayed']}/{n} second turns on their "
                         f"replica, cached share {done['cached_share']:.2f}, TTFT p50 "
                         f"{done['ttft_p50'] * 1000:.0f} ms p95 {done['ttft_p95'] * 1000:.0f} ms,"
                         f" {done['tok_s']:.1f} tok/s, retried 429s {done['retries']}, errors "
