@@ -31,7 +31,7 @@ from .convention import ToolCallParser, ToolConvention, call_id, forced_call_gra
 from .hermes import HERMES, HermesConvention, HermesParser, cut_json_call, tool_named
 from .json_call import JSON_CALL, JsonCallConvention, JsonCallParser
 from .regions import MarkerRegionParser
-from .schema import closed_schema, json_type
+from .schema import closed_schema, json_type, resolve_ref
 from .xml_calls import QwenXmlParser, cut_xml_call, parse_xml_call, xml_value
 from .xml_grammar import QWEN_XML, QwenXmlConvention
 
@@ -55,6 +55,7 @@ __all__ = [
     "forced_call_grammar",
     "json_type",
     "parse_xml_call",
+    "resolve_ref",
     "tool_named",
     "xml_value",
 ]

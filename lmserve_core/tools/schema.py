@@ -39,8 +39,9 @@ def _admits(types: Collection[str], value: Any) -> bool:
     return kind in types
 
 
-def _resolve(root: Any, ref: str) -> Any:
-    """The schema a local ``$ref`` (``#/...``) points to in ``root``, or None."""
+def resolve_ref(root: Any, ref: str) -> Any:
+    """The schema a local ``$ref`` (``#/...``, JSON Pointer escapes) points to in ``root``,
+    or None."""
     if not ref.startswith("#"):
         return None
     node = root
@@ -69,7 +70,7 @@ def _value_types(
         return frozenset(json_type(v) for v in schema["enum"])
     ref = schema.get("$ref")
     if isinstance(ref, str):
-        target = None if ref in seen else _resolve(root, ref)
+        target = None if ref in seen else resolve_ref(root, ref)
         return _JSON_TYPES if target is None else _value_types(target, root, seen | {ref})
     for keyword in ("anyOf", "oneOf"):
         if isinstance(schema.get(keyword), list):

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..request import Tool
-from .schema import _ANNOTATIONS, _admits, _resolve, _value_types, json_type
+from .schema import _ANNOTATIONS, _admits, _value_types, json_type, resolve_ref
 from .xml_calls import (
     _XML_KEY,
     _XML_NAME,
@@ -64,7 +64,7 @@ def _bare(schema: Any, root: Any, seen: frozenset[str] = frozenset()) -> bool:
             if not all(_bare(s, root, seen) for s in sub):
                 return False
         elif key == "$ref" and isinstance(sub, str) and sub not in seen:
-            if not _bare(_resolve(root, sub), root, seen | {sub}):
+            if not _bare(resolve_ref(root, sub), root, seen | {sub}):
                 return False
         else:
             return False

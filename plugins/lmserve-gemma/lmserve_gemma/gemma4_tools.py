@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmserve_core.request import ToolCall
-from lmserve_core.tools import MarkerRegionParser, call_id, json_type, tool_named
+from lmserve_core.tools import MarkerRegionParser, call_id, json_type, resolve_ref, tool_named
 
 if TYPE_CHECKING:
     from lmserve_core.request import Tool
@@ -561,21 +561,10 @@ class _GrammarWriter:
         raise ValueError(f"unknown type {kind!r} (one of {', '.join(_TYPES)})")
 
     def _resolve(self, ref: Any) -> Any:
-        if isinstance(ref, str) and ref.startswith("#"):
-            node = self._root
-            for part in filter(None, ref[1:].split("/")):
-                part = part.replace("~1", "/").replace("~0", "~")
-                if isinstance(node, Mapping) and part in node:
-                    node = node[part]
-                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                    node = node[int(part)]
-                else:
-                    node = None
-                    break
-            else:
-                return node
-        self._unsupported(f"the reference {ref!r}")
-        return None
+        node = resolve_ref(self._root, ref) if isinstance(ref, str) else None
+        if node is None:
+            self._unsupported(f"the reference {ref!r}")
+        return node
 
     def _object(self, schema: Mapping[str, Any]) -> str:
         props = dict(schema.get("properties") or {})

@@ -421,6 +421,9 @@ def test_strict_schemas_the_grammar_cannot_honour_are_refused(tokenizer: Any) ->
     assert accepts(tokenizer, grammar, call("f", f"{{d:{Q}2024-01-01{Q}}}"))
     with pytest.raises(ValueError, match="no declared tool named 'nope'"):
         forced_call_grammar(GEMMA4_TOOLS, [WEATHER], only="nope")
+    dangling = {"type": "object", "properties": {"d": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(ValueError, match="the reference '#/\\$defs/missing'"):
+        forced_call_grammar(GEMMA4_TOOLS, [Tool("f", "", dangling, strict=True)])
 
 
 def test_a_stop_token_may_end_a_forced_call(tokenizer: Any) -> None:
