@@ -16,7 +16,9 @@ The checks: logits against transformers in float32 (f32 and f16 KV caches, the r
 rounded where the f16 cache rounds), each tensor type against its own decoded weights,
 greedy continuations equal to transformers', prefill equal to token-by-token decode, a
 batch equal to each sequence alone, a cache resumed from a reused prefix equal to a cold
-one, a cache restored from its snapshot (the disk tier's bytes) equal to a cold one, a KV
+one, a recurrent cache's checkpoints equal to caches that read only their prefixes (and
+kept in one pass where the layers can), a cache restored from its snapshot (the disk
+tier's bytes) equal to a cold one, a KV
 prefix of the model's own rows equal to its tokens read first (or refused where rows cannot
 stand for tokens), and through the served backend: speculative decoding's greedy replies equal to plain decoding's,
 a second request resuming from the first's cache equal to a cold one, concurrent requests
@@ -275,6 +277,53 @@ class CacheConformance(_Settings):
         for c in (cache, copy):
             warm = model.forward(c, ids[m:], m, all_logits=True)
             assert np.abs(warm - cold[m:]).max() <= self.PATH_ATOL
+
+    def test_checkpoints_inside_a_chunk_are_kept_in_the_same_pass(
+        self, subject: Subject, monkeypatch: Any
+    ) -> None:
+        # a recurrent cache's planned checkpoints hold the states of a cache that read only
+        # the prefix (to float32 summation order: other token counts, other tiles); a model
+        # whose layers keep them as the pass goes by (checkpoints_in_pass) reads the prompt
+        # in one pass, or two past the most one pass keeps, and the others stop at each
+        from lmserve_core.kit.forward import MAX_CHECKPOINTS
+        from lmserve_core.native import kernels
+
+        model = subject.model()
+        ids = subject.ids(self.PROMPTS[0] + self.PROMPTS[1])
+        n = len(ids)
+        if getattr(model.new_cache(n), "plan", None) is None:
+            return  # no recurrent state: every position's rows are kept anyway
+        most = int(kernels.lib.LM_MAX_SNAPSHOTS)
+        shared_many = tuple(range(2, 2 + 2 * (most + 1), 2))
+        assert n > shared_many[-1] + 4
+        passes: list[int] = []
+        run = kernels.forward
+
+        def counted(core: Any, cache: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+            passes.append(len(tokens))
+            return run(core, cache, tokens, *args, **kwargs)
+
+        monkeypatch.setattr(kernels, "forward", counted)
+        in_pass = bool(getattr(type(model), "checkpoints_in_pass", False))
+        for shared in ((7, 12), shared_many):
+            passes.clear()
+            cache = model.new_cache(n)
+            cache.plan(n, shared)
+            model.forward(cache, ids, 0)
+            assert sum(passes) == n
+            if in_pass:
+                assert len(passes) == (1 if len(shared) + 2 <= most else 2)
+            assert cache.pos == n
+            assert len(cache.checkpoints) == min(MAX_CHECKPOINTS, len(shared) + 2)
+            if len(shared) + 2 <= MAX_CHECKPOINTS:  # else the ordinary ones gave way
+                assert {n - 4, n - 1} <= cache.checkpoints.keys()
+            for p, state in cache.checkpoints.items():
+                alone = model.new_cache(n)
+                model.forward(alone, ids[:p], 0)
+                want = alone.native.recurrent_state().view(np.float32)
+                got = state.view(np.float32)
+                bound = 1e-4 * max(1.0, float(np.abs(want).max()))
+                assert np.abs(got - want).max() <= bound, (shared, p)
 
     def test_snapshot_restored_equals_cold(self, subject: Subject) -> None:
         model = subject.model("f32")

@@ -30,9 +30,21 @@ static void *ink_alloc(ink_model *m, int64_t n_floats) {
     return lm_base_alloc(&m->base, sizeof(float) * (size_t)(n_floats > 0 ? n_floats : 1));
 }
 
+/* dst (S rows of C) = the last S inputs after the first t rows xs of a chunk that continues
+ * from the state st (S rows). */
+static void ink_last_inputs(float *dst, const float *xs, const float *st, int64_t t, int S,
+                            int64_t C) {
+    for (int j = 0; j < S; j++) {
+        const int64_t i = t - S + j; /* input index, < 0 in the old state */
+        memcpy(dst + (int64_t)j * C, i >= 0 ? xs + i * C : st + (S + i) * C,
+               sizeof(float) * (size_t)C);
+    }
+}
+
 /* x (rows of the chunk, C channels) = x + causal depthwise conv of x, kernel w (C, K), each
  * sequence's rows continuing from its state at `off` in the layer's state (the last K - 1
- * inputs, time-major), which they then replace. */
+ * inputs, time-major), which they then replace; so does each snapshot planned inside the
+ * rows (lm_cache_plan_snapshots). */
 static int ink_sconv(ink_model *m, int layer, float *x, int64_t C, const float *w, int64_t off) {
     const lm_base *b = &m->base;
     const int K = m->c.conv_kernel, S = K - 1;
@@ -46,11 +58,10 @@ static int ink_sconv(ink_model *m, int layer, float *x, int64_t C, const float *
         float *xs = x + row0 * C;
         const int64_t n = sq->ntok;
         row0 += n;
-        /* the new state: the last S inputs of (state, rows) */
-        for (int j = 0; j < S; j++) {
-            const int64_t i = n - S + j; /* input index, < 0 in the old state */
-            memcpy(next + (int64_t)j * C, i >= 0 ? xs + i * C : st + (S + i) * C,
-                   sizeof(float) * (size_t)C);
+        ink_last_inputs(next, xs, st, n, S, C); /* the new state */
+        for (int64_t t = 1; t < n; t++) { /* a checkpoint after t rows */
+            float *kept = lm_cache_snapshot_layer(sq->cache, sq->pos + t, layer);
+            if (kept != NULL) ink_last_inputs(kept + off, xs, st, t, S, C);
         }
         /* outputs from the last row down: a row's inputs are itself and earlier rows */
         for (int64_t t = n - 1; t >= 0; t--) {

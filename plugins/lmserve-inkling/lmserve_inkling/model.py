@@ -22,6 +22,7 @@ class InklingModel(NativeForwardModel, native=_forward, config=InklingConfig):
     """The Inkling forward pass over a mapped GGUF."""
 
     config: InklingConfig
+    checkpoints_in_pass = True  # its convolutions keep the planned snapshots as they pass
 
     def setup(self) -> None:
         c = self.config

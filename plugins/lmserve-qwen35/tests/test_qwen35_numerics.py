@@ -171,49 +171,6 @@ def test_chunked_prefill_stops_at_checkpoints_and_resumes_from_them(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_checkpoints_inside_a_chunk_are_kept_in_the_same_pass(
-    kind: str, synthetic: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The states a prompt's planned checkpoints hold are kept while one pass reads past
-    them (not by stopping there, which would read the weights once more for each), and
-    are the states of a cache that read only the prefix (to float32 summation order: the
-    f32 test models' products are summed in other tiles for other token counts)."""
-    from lmserve_core.native import kernels
-
-    ref = subject(synthetic, kind)
-    model = ref.model()
-    ids = ref.ids(PROMPTS[0] + PROMPTS[1])
-    n = len(ids)
-    passes: list[int] = []
-    run = kernels.forward
-
-    def counted(core: Any, cache: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
-        passes.append(len(tokens))
-        return run(core, cache, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(kernels, "forward", counted)
-    for shared, wanted_passes in (((7, 12), 1), (tuple(range(2, 2 + 2 * 9, 2)), 2)):
-        passes.clear()
-        cache = model.new_cache(n)
-        cache.plan(n, shared)
-        model.forward(cache, ids, 0)
-        assert len(passes) == wanted_passes and sum(passes) == n
-        assert cache.pos == n and len(cache.checkpoints) == min(
-            MAX_CHECKPOINTS, len(shared) + 2
-        )
-        if len(shared) + 2 <= MAX_CHECKPOINTS:  # else the ordinary ones gave way
-            assert {n - 4, n - 1} <= cache.checkpoints.keys()
-        for p, state in cache.checkpoints.items():
-            alone = model.new_cache(n)
-            model.forward(alone, ids[:p], 0)
-            want = alone.native.recurrent_state().view(np.float32)
-            got = state.view(np.float32)
-            assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max())), (
-                kind, shared, p,
-            )
-
-
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_shared_prefixs_checkpoint_outlives_the_others(kind: str, synthetic: Any) -> None:
     """Turn after turn, the oldest ordinary checkpoints give way first, then shared ones, and
     the earliest shared prefix (a system prompt's end) last; each still resumes the state."""

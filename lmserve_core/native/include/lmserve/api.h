@@ -2,8 +2,9 @@
  * The kit ABI: the core functions a family module calls, as X-macro lists.
  *
  * The core compiles these once (lmserve_core._kernels) and hands a table of pointers to every
- * family module at load (lm_kit_bind, lmserve/kit.h); families never compile a copy. Adding a
- * function appends to a list and bumps nothing; changing or removing one bumps LM_KIT_ABI.
+ * family module at load (lm_kit_bind, lmserve/kit.h); families never compile a copy. A new
+ * function is appended to LM_KIT_INT, the table's last list, and bumps nothing (a module
+ * built before it reads a longer table); any other change bumps LM_KIT_ABI.
  *
  * LM_KIT_INT(X):  X(return type, name, (parameters), (arguments))
  * LM_KIT_VOID(X): X(name, (parameters), (arguments))
@@ -13,7 +14,7 @@
 
 #include "lmserve/types.h"
 
-#define LM_KIT_ABI 7
+#define LM_KIT_ABI 8
 
 #define LM_KIT_INT(X)                                                                              \
     X(int64_t, lm_row_bytes, (int type, int64_t n), (type, n))                                    \
@@ -105,7 +106,8 @@
     X(int, lm_decoder_add_hook, (lm_decoder_model * m, const lm_hook *hook), (m, hook))          \
     X(void *, lm_decoder_hook_ctx,                                                                 \
       (lm_base * b, lm_begin_chunk_fn begin_chunk, lm_after_block_fn after_block),                \
-      (b, begin_chunk, after_block))
+      (b, begin_chunk, after_block))                                                             \
+    X(float *, lm_cache_snapshot_layer, (lm_cache * c, int64_t end, int layer), (c, end, layer))
 
 #define LM_KIT_VOID(X) X(lm_base_free, (lm_base * b), (b)) X(lm_model_free, (lm_base * b), (b))
 
@@ -115,8 +117,8 @@
 typedef struct lm_kit {
     uint32_t abi;
     uint32_t size;
-    LM_KIT_INT(LM_KIT_FIELD_INT)
     LM_KIT_VOID(LM_KIT_FIELD_VOID)
+    LM_KIT_INT(LM_KIT_FIELD_INT)
 } lm_kit;
 #undef LM_KIT_FIELD_INT
 #undef LM_KIT_FIELD_VOID
