@@ -141,7 +141,7 @@ def sanitized_modules(session: nox.Session) -> list[str]:
     """The core and every plugin copied into the session's tmp dir, their native modules
     built there under AddressSanitizer and UndefinedBehaviorSanitizer
     (``LMSERVE_NATIVE_SANITIZE``); the paths to put first on PYTHONPATH."""
-    root = Path(session.create_tmp()) / "sanitized"
+    root = Path(session.create_tmp()).resolve() / "sanitized"  # absolute: compared to __file__
     shutil.rmtree(root, ignore_errors=True)
     skip = shutil.ignore_patterns("*.so", "__pycache__", "build", "tests")
     env = {"LMSERVE_NATIVE_SANITIZE": "1", "PYTHONPATH": str(root / "core")}
