@@ -20,12 +20,12 @@ between.
 
 ``--burst 8,16,32`` adds the burst workload on ``1x2`` and ``2x1``: that many two-turn
 conversations at once, each with a system prompt of its own (about 330 tokens); all first
-turns together, then all second turns (the whole conversation sent back). Per burst: how
-the first turns spread over the replicas, how many second turns reach their first turn's
+turns together, then all second turns (the whole conversation sent back). Per burst: how the
+first turns spread over the replicas, how many second turns reach their first turn's
 replica, the replicas' KV slots (from ``/metrics``), the second turns' share of cached
-prompt tokens, TTFT p50 / p95 over every turn and aggregate completion tok/s. A refused turn (429) is sent again after its
-``retry-after``, as the OpenAI and Anthropic SDKs do, and its TTFT counts from the first
-attempt.
+prompt tokens, TTFT p50 / p95 over every turn and aggregate completion tok/s. A refused turn
+(429) is sent again after its ``retry-after``, as the OpenAI and Anthropic SDKs do, and its
+TTFT counts from the first attempt.
 """
 
 from __future__ import annotations
@@ -233,8 +233,9 @@ def main() -> None:
                     bursts_done.append({"setup": setup, "round": round_, **done})
                     report.print(
                         f"round {round_} {setup:>5} burst of {n}: first turns "
-                        f"{done['first_spread']} (KV slots {done['slots']}), {done['stayed']}/{n} second turns on their "
-                        f"replica, cached share {done['cached_share']:.2f}, TTFT p50 "
+                        f"{done['first_spread']} (KV slots {done['slots']}), {done['stayed']}/{n}"
+                        f" second turns on their replica, cached share "
+                        f"{done['cached_share']:.2f}, TTFT p50 "
                         f"{done['ttft_p50'] * 1000:.0f} ms p95 {done['ttft_p95'] * 1000:.0f} ms,"
                         f" {done['tok_s']:.1f} tok/s, retried 429s {done['retries']}, errors "
                         f"{len(done['errors'])}")

@@ -14,16 +14,16 @@ kind and tensor type); pytest then runs every ``test_*`` method below on each ki
 
 The checks: logits against transformers in float32 (f32 and f16 KV caches, the reference
 rounded where the f16 cache rounds), each tensor type against its own decoded weights,
-greedy continuations equal to transformers', prefill equal to token-by-token decode, a
-batch equal to each sequence alone, a cache resumed from a reused prefix equal to a cold
-one, a recurrent cache's checkpoints equal to caches that read only their prefixes (and
-kept in one pass where the layers can), a cache restored from its snapshot (the disk
-tier's bytes) equal to a cold one, a KV
-prefix of the model's own rows equal to its tokens read first (or refused where rows cannot
-stand for tokens), and through the served backend: speculative decoding's greedy replies equal to plain decoding's,
-a second request resuming from the first's cache equal to a cold one, concurrent requests
-with ``n`` choices and logprobs equal to each alone, and a conversation restored from the
-disk tier by a new server equal to a cold one.
+greedy continuations equal to transformers', prefill equal to token-by-token decode, a batch
+equal to each sequence alone, a cache resumed from a reused prefix equal to a cold one, a
+recurrent cache's checkpoints equal to caches that read only their prefixes (and kept in one
+pass where the layers can), a cache restored from its snapshot (the disk tier's bytes) equal
+to a cold one, a KV prefix of the model's own rows equal to its tokens read first (or
+refused where rows cannot stand for tokens), and through the served backend: speculative
+decoding's greedy replies equal to plain decoding's, a second request resuming from the
+first's cache equal to a cold one, concurrent requests with ``n`` choices and logprobs equal
+to each alone, and a conversation restored from the disk tier by a new server equal to a
+cold one.
 
 The checks come in three parts, :class:`NumericsConformance` (against transformers),
 :class:`CacheConformance` (our own paths against each other: no reference model needed) and
