@@ -293,6 +293,8 @@ class CacheConformance(_Settings):
         n = len(ids)
         if getattr(model.new_cache(n), "plan", None) is None:
             return  # no recurrent state: every position's rows are kept anyway
+        # the C driver reads a long call in chunks of n_batch: checkpoints on their seams
+        chunked = subject.model(n_batch=8)
         most = int(kernels.lib.LM_MAX_SNAPSHOTS)
         shared_many = tuple(range(2, 2 + 2 * (most + 1), 2))
         assert n > shared_many[-1] + 4
@@ -305,11 +307,11 @@ class CacheConformance(_Settings):
 
         monkeypatch.setattr(kernels, "forward", counted)
         in_pass = bool(getattr(type(model), "checkpoints_in_pass", False))
-        for shared in ((7, 12), shared_many):
+        for reader, shared in ((model, (7, 12)), (model, shared_many), (chunked, (8, 13, 16))):
             passes.clear()
-            cache = model.new_cache(n)
+            cache = reader.new_cache(n)
             cache.plan(n, shared)
-            model.forward(cache, ids, 0)
+            reader.forward(cache, ids, 0)
             assert sum(passes) == n
             if in_pass:
                 assert len(passes) == (1 if len(shared) + 2 <= most else 2)

@@ -387,6 +387,13 @@ float *lm_cache_snapshot_layer(lm_cache *cache, int64_t end, int layer) {
     return NULL;
 }
 
+void lm_cache_snapshot_seam(lm_cache *cache, int64_t end) {
+    for (int i = 0; cache != NULL && i < cache->n_snap; i++)
+        if (cache->snap_pos[i] == end)
+            memcpy(cache->snap_buf + (int64_t)i * cache->n_state, cache->mem,
+                   (size_t)cache->n_state * sizeof(float));
+}
+
 int lm_cache_recurrent_reset(lm_cache *cache) {
     if (cache == NULL) return LM_EINVAL;
     memset(cache->mem, 0, (size_t)cache->n_state * sizeof(float));

@@ -1142,6 +1142,7 @@ int lm_forward(lm_base *b, lm_cache *cache, const int32_t *tokens, int64_t ntok,
         const lm_seq seq = {cache, pos + done, n, 0};
         b->trace_row = done;
         LM_TRY(run_chunk(b, &seq, 1, tokens + done, n, out, first));
+        if (!last) lm_cache_snapshot_seam(cache, pos + done + n);
     }
     return LM_OK;
 }

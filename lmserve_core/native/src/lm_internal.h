@@ -559,6 +559,9 @@ void lm_quantize_acts_on(lm_pool *acquired, const lm_kernels *k, const float *x,
 /* ------------------------------------------------------------------ cache internals */
 /* 1 when the cache was made for this geometry. */
 int lm_cache_matches(const lm_cache *cache, int n_layer, const lm_cache_layer *layers);
+/* After a chunk that ends at `end` but not the pass: a snapshot planned there is the live
+ * state (the mixers keep only those strictly inside their rows). */
+void lm_cache_snapshot_seam(lm_cache *cache, int64_t end);
 
 /* ------------------------------------------------------------------ DeltaNet internals */
 /* The cache geometry of a DeltaNet layer: no rows, its state. */
